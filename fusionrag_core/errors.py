@@ -1,0 +1,38 @@
+"""Exceptions raised by fusionrag_core.
+
+Every error says what went wrong *and* how to fix it; callers (CLI, integrations) print the
+message as is.
+"""
+
+from __future__ import annotations
+
+
+class FusionRAGError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class UnsupportedModelError(FusionRAGError):
+    """The model's positional encoding or architecture cannot be re-positioned exactly."""
+
+
+class ContextLengthError(FusionRAGError):
+    """The prompt (plus generation budget) does not fit the model's context window."""
+
+
+class CacheMismatchError(FusionRAGError):
+    """A KV cache belongs to another model, has the wrong shape/dtype, or wrong token ids."""
+
+
+class CacheNotFoundError(FusionRAGError, KeyError):
+    """No KV cache is stored for the requested chunk id and variant."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class CacheCorruptError(FusionRAGError):
+    """A stored KV blob cannot be read (truncated, bad header, failed checksum)."""
+
+
+class InvalidRequestError(FusionRAGError, ValueError):
+    """A request is malformed (empty question, unknown selector, bad ratio...)."""

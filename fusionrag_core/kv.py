@@ -1,0 +1,109 @@
+"""ChunkKV: the KV cache of one chunk, the unit that is stored, loaded and stitched.
+
+Shapes use `L` layers, `H` kv heads, `T` tokens, `D` head dim.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from fusionrag_core.errors import CacheMismatchError
+
+Variant = Literal["independent", "fused"]
+VARIANTS: tuple[Variant, ...] = ("independent", "fused")
+
+
+def hash_token_ids(token_ids: torch.Tensor) -> str:
+    """Stable hex digest of a 1-D integer tensor of token ids."""
+    data = token_ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class ChunkKV:
+    """The cached keys and values of one chunk, sliced out of a longer prefill.
+
+    Attributes:
+        token_ids: `[T]` int64, the chunk's own token ids (tokenized alone, no BOS).
+        keys: `[L, H, T, D]`, post-RoPE keys, rotated for `positions`.
+        values: `[L, H, T, D]`.
+        positions: `[T]` int64, the absolute positions the keys were rotated for.
+        fingerprint: model fingerprint the cache was computed with.
+        variant: "independent" (prefilled after the system prefix only) or "fused"
+            (prefilled after the prefix and the chunk's neighbours).
+
+    NOTE: keys and values share dtype and device; positions are strictly increasing.
+    """
+
+    token_ids: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    fingerprint: str
+    variant: Variant
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() * 2
+
+    def validate(
+        self,
+        *,
+        fingerprint: str | None = None,
+        shape: tuple[int, int, int] | None = None,
+    ) -> None:
+        """Check internal consistency, and optionally model fingerprint and `(L, H, D)`.
+
+        Raises:
+            CacheMismatchError: with a message naming the mismatch and the fix.
+        """
+        t = self.token_ids
+        if t.dim() != 1 or t.dtype != torch.int64:
+            raise CacheMismatchError(f"token_ids must be a 1-D int64 tensor, got {tuple(t.shape)} {t.dtype}")
+        if self.keys.dim() != 4 or self.keys.shape != self.values.shape:
+            raise CacheMismatchError(
+                f"keys/values must both be [L, H, T, D]; got {tuple(self.keys.shape)} and {tuple(self.values.shape)}"
+            )
+        if self.keys.dtype != self.values.dtype or not self.keys.dtype.is_floating_point:
+            raise CacheMismatchError(f"keys/values must share a float dtype; got {self.keys.dtype}/{self.values.dtype}")
+        if self.keys.shape[2] != t.shape[0] or self.positions.shape != t.shape:
+            raise CacheMismatchError(
+                f"cache holds {self.keys.shape[2]} key slots and {tuple(self.positions.shape)} positions "
+                f"for {t.shape[0]} tokens; the blob is inconsistent, recompute it"
+            )
+        if self.variant not in VARIANTS:
+            raise CacheMismatchError(f"unknown cache variant {self.variant!r}; expected one of {VARIANTS}")
+        if fingerprint is not None and fingerprint != self.fingerprint:
+            raise CacheMismatchError(
+                f"cache was computed by model {self.fingerprint[:12]}, not by the loaded model {fingerprint[:12]}; "
+                "re-ingest the corpus with this model (or load the model it was built with)"
+            )
+        if shape is not None:
+            L, H, _, D = self.keys.shape
+            if (L, H, D) != shape:
+                raise CacheMismatchError(
+                    f"cache has (layers, kv_heads, head_dim)={(L, H, D)} but the model expects {shape}; "
+                    "it was built for another model: re-ingest"
+                )
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ChunkKV:
+        """A copy on `device` (and `dtype` for keys/values)."""
+        return ChunkKV(
+            token_ids=self.token_ids.to(device),
+            keys=self.keys.to(device, dtype or self.keys.dtype),
+            values=self.values.to(device, dtype or self.values.dtype),
+            positions=self.positions.to(device),
+            fingerprint=self.fingerprint,
+            variant=self.variant,
+        )

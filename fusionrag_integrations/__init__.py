@@ -1,0 +1,1 @@
+"""Thin adapters from LangChain and LlamaIndex to fusionrag_core."""
