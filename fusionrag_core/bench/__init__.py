@@ -1,0 +1,6 @@
+"""Benchmark support: the MuSiQue dev-set loader (`data`) and the answer/speed metrics (`metrics`).
+
+The benchmark compares full attention, full KV reuse and selective-recompute methods on the same
+rows; `metrics.summarize` turns per-row `metrics.RowResult`s into the per-method dicts of
+results.json.
+"""
