@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from fusionrag_core.bench.data import BenchRow, DatasetFormatError, load_rows, passage_text
+from fusionrag_core.data import SampleQuestion, load_sample_questions, sample_corpus_dir
 
 MUSIQUE = Path(__file__).resolve().parents[2] / "shared/datasets/musique_dev.jsonl"
 
@@ -95,3 +96,29 @@ def test_passage_text() -> None:
     assert passage_text("Lumen Lighthouse", "It stands on the cape.") == "Lumen Lighthouse\nIt stands on the cape."
     assert passage_text("", "body") == "body"
     assert passage_text("  ", "body") == "body"
+
+
+def test_sample_questions_are_two_hop_over_existing_docs() -> None:
+    corpus = sample_corpus_dir()
+    questions = load_sample_questions()
+    assert 5 <= len(questions) <= 6
+    docs = {p.name: p.read_text(encoding="utf-8") for p in corpus.glob("*.md")}
+    for q in questions:
+        assert isinstance(q, SampleQuestion)
+        assert len(q.hops) == 2 and len(set(q.hops)) == 2, q
+        missing = [hop for hop in q.hops if hop not in docs]
+        assert not missing, f"{q.question!r}: hop docs {missing} not in {corpus}"
+        assert any(q.answer in docs[hop] for hop in q.hops), q
+        # Genuinely two-hop: the answer is stated only in the last doc, not in the one that names
+        # the bridge entity, so no single retrieved chunk answers the question on its own.
+        assert q.answer in docs[q.hops[-1]], q
+        assert q.answer not in docs[q.hops[0]], q
+
+
+def test_sample_docs_are_short_markdown() -> None:
+    docs = sorted(sample_corpus_dir().glob("*.md"))
+    assert 6 <= len(docs) <= 8
+    for doc in docs:
+        text = doc.read_text(encoding="utf-8")
+        assert text.startswith("# "), doc.name
+        assert 150 <= len(text.split()) <= 400, doc.name
