@@ -1,0 +1,48 @@
+"""Chunk KV cache storage: the `KVStore` interface, a disk and a Redis backend.
+
+`open_store("./fusionrag-data/kv")` gives a `DiskKVStore`; `open_store("redis://host:6379/0")` a
+`RedisKVStore` (needs the `redis` extra). Both store the same checksummed safetensors blobs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fusionrag_core.store.base import (
+    FORMAT_VERSION,
+    STORAGE_DTYPES,
+    KVStore,
+    StorageDType,
+    StoreConfig,
+    decode_blob,
+    encode_blob,
+    open_store,
+    validate_chunk_id,
+)
+from fusionrag_core.store.disk import DiskKVStore
+
+if TYPE_CHECKING:
+    from fusionrag_core.store.redis import RedisKVStore
+
+__all__ = [
+    "FORMAT_VERSION",
+    "STORAGE_DTYPES",
+    "DiskKVStore",
+    "KVStore",
+    "RedisKVStore",
+    "StorageDType",
+    "StoreConfig",
+    "decode_blob",
+    "encode_blob",
+    "open_store",
+    "validate_chunk_id",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # NOTE: imported lazily so the disk store works without the optional `redis` package.
+    if name == "RedisKVStore":
+        from fusionrag_core.store.redis import RedisKVStore
+
+        return RedisKVStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,416 @@
+"""The `KVStore` interface and the blob format shared by every backend.
+
+A stored chunk cache is one safetensors blob per `(chunk_id, variant)`:
+
+* tensors `token_ids` `[T]` int64, `keys` `[L, H, T, D]`, `values` `[L, H, T, D]` (both in the
+  store's storage dtype) and `positions` `[T]` int64;
+* a string→string metadata header with the format name and version, the chunk id, the model
+  fingerprint, the variant, the token-ids hash, the shape, the storage and source dtypes and a
+  sha256 checksum over the tensor bytes.
+
+The disk and Redis backends write byte-identical blobs (`encode_blob`) and validate every load the
+same way (`decode_blob`); only where the bytes live differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Literal, get_args
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from fusionrag_core.errors import CacheCorruptError, CacheMismatchError, InvalidRequestError
+from fusionrag_core.kv import VARIANTS, ChunkKV, Variant, hash_token_ids
+
+StorageDType = Literal["float32", "float16", "bfloat16"]
+STORAGE_DTYPES: tuple[StorageDType, ...] = get_args(StorageDType)
+
+FORMAT_NAME = "fusionrag-kv"
+FORMAT_VERSION = "1"
+CHECKSUM_ALGO = "sha256"
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_TENSOR_NAMES = ("token_ids", "keys", "values", "positions")
+# NOTE: ids are content hashes in practice; the charset excludes '.', '/', '\\' and anything else
+# that could escape the store root or make `<chunk_id>.<variant>.safetensors` ambiguous.
+_CHUNK_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+# NOTE: a safetensors header larger than this is certainly garbage (ours are < 2 KiB).
+_MAX_HEADER_BYTES = 1 << 20
+
+
+def validate_chunk_id(chunk_id: str) -> str:
+    """Return `chunk_id` if it is safe to use as a file name / key part.
+
+    Raises:
+        InvalidRequestError: if it is empty, too long, or holds characters other than
+            `[A-Za-z0-9_-]` (path separators, dots, spaces...).
+    """
+    if not isinstance(chunk_id, str) or _CHUNK_ID_RE.fullmatch(chunk_id) is None:
+        raise InvalidRequestError(
+            f"invalid chunk id {chunk_id!r}: expected 1-128 characters from [A-Za-z0-9_-] "
+            "(chunk ids are hex content hashes; pass the id ingest produced, not a path or a text)"
+        )
+    return chunk_id
+
+
+def validate_variant(variant: str) -> Variant:
+    """Return `variant` if it is one of `VARIANTS`.
+
+    Raises:
+        InvalidRequestError: naming the accepted variants.
+    """
+    if variant not in VARIANTS:
+        raise InvalidRequestError(f"unknown cache variant {variant!r}; use one of {VARIANTS}")
+    return variant
+
+
+def storage_torch_dtype(storage_dtype: str) -> torch.dtype:
+    """Map a storage dtype name to its torch dtype.
+
+    Raises:
+        InvalidRequestError: for names other than "float32", "float16", "bfloat16".
+    """
+    try:
+        return _TORCH_DTYPES[storage_dtype]
+    except KeyError:
+        raise InvalidRequestError(
+            f"unsupported storage dtype {storage_dtype!r}; use one of {STORAGE_DTYPES}"
+        ) from None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """sha256 over the header fields (except the checksum itself) and each tensor's name, dtype,
+    shape and raw bytes, in a fixed order.
+
+    NOTE: covering the header means a flipped byte in, e.g., the fingerprint reads as corruption
+    instead of as a (misleading) cache of another model.
+    """
+    h = hashlib.sha256()
+    fields = {k: v for k, v in metadata.items() if k != "checksum"}
+    h.update(json.dumps(fields, sort_keys=True).encode())
+    for name in _TENSOR_NAMES:
+        t = tensors[name].contiguous()
+        h.update(f"|{name}|{_dtype_name(t.dtype)}|{list(t.shape)}|".encode())
+        # NOTE: viewing as uint8 works for every dtype (bfloat16 has no numpy equivalent) and hands
+        # hashlib the tensor's own buffer without a copy.
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
+
+
+def encode_blob(chunk_id: str, kv: ChunkKV, storage_dtype: StorageDType) -> bytes:
+    """Serialise `kv` to the safetensors blob format described in the module docstring.
+
+    Args:
+        chunk_id: the chunk's id (recorded in the header so a misplaced blob is detected).
+        kv: the cache to store; may live on any device, in any float dtype.
+        storage_dtype: dtype keys/values are cast to before writing.
+
+    Returns:
+        The blob bytes.
+
+    Raises:
+        InvalidRequestError: if `chunk_id` is malformed, or if casting to `storage_dtype` would turn
+            finite values into inf (float16 tops out at 65504).
+    """
+    validate_chunk_id(chunk_id)
+    target = storage_torch_dtype(storage_dtype)
+    keys = kv.keys.detach().to("cpu", target).contiguous()  # [L, H, T, D]
+    values = kv.values.detach().to("cpu", target).contiguous()  # [L, H, T, D]
+    cast_finite = bool(torch.isfinite(keys).all()) and bool(torch.isfinite(values).all())
+    if not cast_finite and bool(torch.isfinite(kv.keys).all()) and bool(torch.isfinite(kv.values).all()):
+        raise InvalidRequestError(
+            f"chunk {chunk_id}: K/V values overflow {storage_dtype} (|x| > its max); "
+            "open the store with storage_dtype='bfloat16' or 'float32' for this model"
+        )
+    tensors = {
+        "token_ids": kv.token_ids.detach().to("cpu", torch.int64).contiguous(),  # [T]
+        "keys": keys,
+        "values": values,
+        "positions": kv.positions.detach().to("cpu", torch.int64).contiguous(),  # [T]
+    }
+    L, H, T, D = keys.shape
+    metadata = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "chunk_id": chunk_id,
+        "fingerprint": kv.fingerprint,
+        "variant": kv.variant,
+        "token_ids_hash": hash_token_ids(tensors["token_ids"]),
+        "shape": json.dumps([L, H, T, D]),
+        "storage_dtype": storage_dtype,
+        "source_dtype": _dtype_name(kv.keys.dtype),
+    }
+    metadata["checksum"] = _checksum(tensors, metadata)
+    return st_save(tensors, metadata=metadata)
+
+
+def _read_header_metadata(blob: bytes, source: str) -> dict[str, str]:
+    """Parse the safetensors header (`u64 little-endian length` + JSON) and return `__metadata__`."""
+    if len(blob) < 8:
+        raise _corrupt(source, f"only {len(blob)} bytes, smaller than a safetensors header")
+    (n,) = struct.unpack("<Q", blob[:8])
+    if n > _MAX_HEADER_BYTES or 8 + n > len(blob):
+        raise _corrupt(source, f"header claims {n} bytes but the blob has {len(blob)} (truncated?)")
+    try:
+        header = json.loads(blob[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _corrupt(source, f"unparsable header ({e})") from e
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _corrupt(source, "header has no fusionrag metadata")
+    return meta
+
+
+def _corrupt(source: str, reason: str) -> CacheCorruptError:
+    return CacheCorruptError(
+        f"KV cache {source} is corrupt: {reason}. Delete it and re-run ingest (or verify) to recompute it"
+    )
+
+
+def decode_blob(
+    blob: bytes,
+    *,
+    source: str,
+    chunk_id: str,
+    variant: Variant,
+    fingerprint: str,
+    shape: tuple[int, int, int] | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> ChunkKV:
+    """Parse and fully validate a blob written by `encode_blob`.
+
+    Args:
+        blob: the raw bytes.
+        source: where the bytes came from (file path or Redis key), quoted in errors.
+        chunk_id: the id the caller asked for; must match the header.
+        variant: the variant the caller asked for; must match the header.
+        fingerprint: the loaded model's fingerprint; must match the header.
+        shape: the model's `(layers, kv_heads, head_dim)`, checked when given.
+        device: where to put the returned tensors.
+        dtype: dtype of the returned keys/values; `None` means the dtype the cache was computed in
+            (recorded at `put`), so a round trip returns the caller's dtype.
+
+    Returns:
+        The validated cache.
+
+    Raises:
+        CacheCorruptError: truncated/unparsable blob, missing or inconsistent header fields,
+            checksum or token-hash failure, or a blob stored under another id/variant.
+        CacheMismatchError: another model's cache (fingerprint), wrong `(L, H, D)`, or a format
+            version this code does not read.
+    """
+    meta = _read_header_metadata(blob, source)
+    if meta.get("format") != FORMAT_NAME:
+        raise _corrupt(source, f"not a fusionrag KV blob (format={meta.get('format')!r})")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CacheMismatchError(
+            f"KV cache {source} has format version {meta.get('format_version')!r}, this fusionrag reads "
+            f"version {FORMAT_VERSION}; re-ingest with this version (or upgrade fusionrag)"
+        )
+    try:
+        tensors = st_load(blob)
+    except Exception as e:  # NOTE: safetensors raises its own SafetensorError (and others) on bad data.
+        raise _corrupt(source, f"unreadable tensors ({e})") from e
+    if set(tensors) != set(_TENSOR_NAMES):
+        raise _corrupt(source, f"expected tensors {sorted(_TENSOR_NAMES)}, found {sorted(tensors)}")
+    # NOTE: checksum first: past this point every field is what the writer wrote, so the checks
+    # below catch writer bugs and misplaced blobs, not bit rot.
+    if _checksum(tensors, meta) != meta.get("checksum"):
+        raise _corrupt(source, "checksum mismatch (the bytes changed after they were written)")
+
+    if meta.get("chunk_id") != chunk_id or meta.get("variant") != variant:
+        raise _corrupt(
+            source,
+            f"it holds chunk {meta.get('chunk_id')!r} ({meta.get('variant')!r}), not {chunk_id!r} ({variant!r})",
+        )
+    storage_name = meta.get("storage_dtype", "")
+    source_name = meta.get("source_dtype", "")
+    if storage_name not in _TORCH_DTYPES:
+        raise CacheMismatchError(
+            f"KV cache {source} is stored as {storage_name!r}, which this fusionrag does not read; re-ingest"
+        )
+    try:
+        source_dtype = getattr(torch, source_name)
+        if not isinstance(source_dtype, torch.dtype) or not source_dtype.is_floating_point:
+            raise AttributeError(source_name)
+        declared_shape = json.loads(meta["shape"])
+    except (AttributeError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise _corrupt(source, f"bad header field ({e!r})") from e
+    keys, values = tensors["keys"], tensors["values"]  # [L, H, T, D]
+    if keys.dtype != _TORCH_DTYPES[storage_name] or values.dtype != keys.dtype:
+        raise _corrupt(source, f"keys/values are {keys.dtype}/{values.dtype}, header says {storage_name}")
+    if list(keys.shape) != declared_shape:
+        raise _corrupt(source, f"keys have shape {list(keys.shape)}, header says {declared_shape}")
+    if tensors["token_ids"].dtype != torch.int64 or tensors["positions"].dtype != torch.int64:
+        raise _corrupt(source, "token_ids/positions are not int64")
+    if hash_token_ids(tensors["token_ids"]) != meta.get("token_ids_hash"):
+        raise _corrupt(source, "token-ids hash mismatch")
+
+    try:
+        kv = ChunkKV(
+            token_ids=tensors["token_ids"],
+            keys=keys,
+            values=values,
+            positions=tensors["positions"],
+            fingerprint=meta.get("fingerprint", ""),
+            variant=variant,
+        )
+    except CacheMismatchError as e:
+        # NOTE: the checksum matched, so an inconsistent cache was written that way: still unusable.
+        raise _corrupt(source, str(e)) from e
+    try:
+        kv.validate(fingerprint=fingerprint, shape=shape)
+    except CacheMismatchError as e:
+        raise CacheMismatchError(f"KV cache {source}: {e}") from e
+    return kv.to(device, dtype or source_dtype)
+
+
+class KVStore(ABC):
+    """Where chunk KV caches live between ingest and query.
+
+    One entry per `(chunk_id, variant)`. Every `get` validates the blob (checksum, model
+    fingerprint, shape); implementations are safe to share between threads.
+
+    NOTE on precision: keys/values are cast to `storage_dtype` on `put`. "float16" (default) halves
+    the footprint of float32 caches; its 10-bit mantissa costs ~1e-3 relative error, which is below
+    the noise of the fused-cache approximation itself, but its range ends at 65504 (`put` refuses
+    caches that would overflow). "bfloat16" keeps the float32 range with ~8e-3 relative error;
+    "float32" is exact for float32 models. `get` casts back to the dtype the cache was computed in
+    unless asked for another.
+
+    Use as a context manager, or call `close()`.
+    """
+
+    def __init__(self, storage_dtype: StorageDType = "float16") -> None:
+        storage_torch_dtype(storage_dtype)  # NOTE: validate eagerly, before any write.
+        self.storage_dtype: StorageDType = storage_dtype
+
+    @abstractmethod
+    def put(self, chunk_id: str, kv: ChunkKV) -> None:
+        """Store `kv` under `(chunk_id, kv.variant)`, atomically replacing any previous entry.
+
+        Raises:
+            InvalidRequestError: malformed `chunk_id`, or values that overflow `storage_dtype`.
+        """
+
+    @abstractmethod
+    def get(
+        self,
+        chunk_id: str,
+        variant: Variant,
+        *,
+        fingerprint: str,
+        shape: tuple[int, int, int] | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> ChunkKV:
+        """Load and validate the cache of `(chunk_id, variant)`.
+
+        Args:
+            chunk_id: the chunk's id.
+            variant: "independent" or "fused".
+            fingerprint: the loaded model's fingerprint; caches of other models are refused.
+            shape: the model's `(layers, kv_heads, head_dim)`, checked when given.
+            device: where the returned tensors live.
+            dtype: keys/values dtype; `None` = the dtype the cache was computed in.
+
+        Raises:
+            CacheNotFoundError: nothing is stored for `(chunk_id, variant)`.
+            CacheCorruptError: the stored bytes are unreadable, truncated or fail their checksum.
+            CacheMismatchError: the cache belongs to another model or has the wrong shape.
+        """
+
+    @abstractmethod
+    def has(self, chunk_id: str, variant: Variant) -> bool:
+        """Whether an entry exists for `(chunk_id, variant)` (not whether it is valid)."""
+
+    @abstractmethod
+    def delete(self, chunk_id: str) -> None:
+        """Remove every variant of `chunk_id`; a missing entry is not an error."""
+
+    @abstractmethod
+    def list_ids(self, variant: Variant | None = None) -> set[str]:
+        """Ids that have an entry for `variant` (for any variant when `None`)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections/handles. Idempotent."""
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where and how KV caches are stored.
+
+    Attributes:
+        location: a directory path (disk store) or a `redis://`/`rediss://`/`unix://` URL.
+        storage_dtype: dtype of stored keys/values; see `KVStore` for the precision trade-off.
+        namespace: key prefix of the Redis store (ignored by the disk store).
+    """
+
+    location: str = "./fusionrag-data/kv"
+    storage_dtype: StorageDType = "float16"
+    namespace: str = "fusionrag"
+
+    def __post_init__(self) -> None:
+        storage_torch_dtype(self.storage_dtype)
+
+    def open(self) -> KVStore:
+        """Open the store this config describes (see `open_store`)."""
+        return open_store(self.location, storage_dtype=self.storage_dtype, namespace=self.namespace)
+
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def open_store(
+    url_or_path: str | Path,
+    *,
+    storage_dtype: StorageDType = "float16",
+    namespace: str = "fusionrag",
+) -> KVStore:
+    """Open a KV store: Redis for `redis://`, `rediss://` or `unix://` URLs, else a directory.
+
+    Args:
+        url_or_path: Redis URL or directory (created if missing).
+        storage_dtype: dtype of stored keys/values.
+        namespace: Redis key prefix (disk store ignores it).
+
+    Returns:
+        A `RedisKVStore` or `DiskKVStore`.
+    """
+    if isinstance(url_or_path, str) and url_or_path.startswith(_REDIS_SCHEMES):
+        from fusionrag_core.store.redis import RedisKVStore
+
+        return RedisKVStore(url_or_path, namespace=namespace, storage_dtype=storage_dtype)
+    from fusionrag_core.store.disk import DiskKVStore
+
+    return DiskKVStore(Path(url_or_path), storage_dtype=storage_dtype)

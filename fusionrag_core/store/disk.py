@@ -1,0 +1,160 @@
+"""`DiskKVStore`: one safetensors file per `(chunk_id, variant)` under a root directory.
+
+Layout: `root/<chunk_id[:2]>/<chunk_id>.<variant>.safetensors`. The two-character shard keeps
+directories small for large corpora. Writes go to a hidden temp file in the same directory, are
+fsynced and `os.replace`d over the final name, so readers see either the old or the new blob,
+never a partial one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from fusionrag_core.errors import CacheCorruptError, CacheNotFoundError, InvalidRequestError
+from fusionrag_core.kv import VARIANTS, ChunkKV, Variant
+from fusionrag_core.store.base import (
+    KVStore,
+    StorageDType,
+    decode_blob,
+    encode_blob,
+    validate_chunk_id,
+    validate_variant,
+)
+
+_SUFFIX = ".safetensors"
+
+
+class DiskKVStore(KVStore):
+    """KV caches as safetensors files in a directory (the default store).
+
+    Thread- and process-safe for concurrent readers and writers of distinct or equal keys (the
+    last `put` wins). A crash mid-`put` can leave a hidden `.*.tmp` file in a shard directory;
+    it is never read and may be deleted.
+
+    Args:
+        root: directory holding the caches; created if missing.
+        storage_dtype: dtype keys/values are stored in (see `KVStore` for the trade-off).
+    """
+
+    def __init__(self, root: Path | str, storage_dtype: StorageDType = "float16") -> None:
+        super().__init__(storage_dtype)
+        self.root = Path(root)
+        if self.root.exists() and not self.root.is_dir():
+            raise InvalidRequestError(
+                f"KV store path {self.root} is a file; pass a directory (it is created if missing)"
+            )
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path_for(self, chunk_id: str, variant: Variant) -> Path:
+        """The file that holds `(chunk_id, variant)` (whether or not it exists)."""
+        validate_chunk_id(chunk_id)
+        validate_variant(variant)
+        return self.root / chunk_id[:2] / f"{chunk_id}.{variant}{_SUFFIX}"
+
+    def put(self, chunk_id: str, kv: ChunkKV) -> None:
+        path = self.path_for(chunk_id, kv.variant)
+        blob = encode_blob(chunk_id, kv, self.storage_dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            # NOTE: mkstemp creates 0600 files; caches hold no secrets and may be read by another user
+            # serving the same corpus, so publish them world-readable like ordinary files.
+            os.fchmod(fd, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_name, path)
+        except BaseException:
+            # NOTE: the final name is only ever produced by os.replace, so on any failure before it
+            # the previous blob (if any) is untouched; only the temp file needs cleaning up.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name)
+            raise
+        _fsync_dir(path.parent)
+
+    def get(
+        self,
+        chunk_id: str,
+        variant: Variant,
+        *,
+        fingerprint: str,
+        shape: tuple[int, int, int] | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> ChunkKV:
+        path = self.path_for(chunk_id, variant)
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            raise CacheNotFoundError(
+                f"no {variant} KV cache for chunk {chunk_id} in {self.root} (expected {path}); "
+                "run ingest for its document, or check the store path"
+            ) from None
+        except OSError as e:
+            raise CacheCorruptError(
+                f"KV cache file {path} cannot be read ({e}); fix its permissions, or delete it and re-run "
+                "ingest (or verify) to recompute it"
+            ) from e
+        return decode_blob(
+            blob,
+            source=f"file {path}",
+            chunk_id=chunk_id,
+            variant=variant,
+            fingerprint=fingerprint,
+            shape=shape,
+            device=device,
+            dtype=dtype,
+        )
+
+    def has(self, chunk_id: str, variant: Variant) -> bool:
+        return self.path_for(chunk_id, variant).is_file()
+
+    def delete(self, chunk_id: str) -> None:
+        for variant in VARIANTS:
+            with contextlib.suppress(FileNotFoundError):
+                self.path_for(chunk_id, variant).unlink()
+
+    def list_ids(self, variant: Variant | None = None) -> set[str]:
+        wanted = VARIANTS if variant is None else (validate_variant(variant),)
+        ids: set[str] = set()
+        with os.scandir(self.root) as shards:
+            for shard in shards:
+                if not shard.is_dir() or shard.name.startswith("."):
+                    continue
+                with os.scandir(shard.path) as entries:
+                    for entry in entries:
+                        # NOTE: temp files start with '.'; `<id>.<variant>.safetensors` has exactly
+                        # two dots because ids cannot contain one.
+                        name = entry.name
+                        if name.startswith(".") or not name.endswith(_SUFFIX):
+                            continue
+                        parts = name[: -len(_SUFFIX)].split(".")
+                        if len(parts) == 2 and parts[1] in wanted:
+                            ids.add(parts[0])
+        return ids
+
+    def close(self) -> None:
+        """Nothing to release: files are opened per call."""
+
+    def __repr__(self) -> str:
+        return f"DiskKVStore(root={str(self.root)!r}, storage_dtype={self.storage_dtype!r})"
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Persist a rename: fsync the directory entry (POSIX only; a no-op where unsupported)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # NOTE: some filesystems (and Windows) refuse fsync on directories; the data is synced.
+    finally:
+        os.close(fd)

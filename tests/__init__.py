@@ -1,0 +1,1 @@
+"""FusionRAG test suite (importable so tests can share helpers from tests.servers)."""
