@@ -107,3 +107,54 @@ class ChunkKV:
             fingerprint=self.fingerprint,
             variant=self.variant,
         )
+
+
+class KVBuffer:
+    """A preallocated, slot-addressed KV cache for one request (batch size 1).
+
+    Slots are filled in prompt order; `positions[s]` is the position slot `s` holds (-1 = empty)
+    and `valid[s]` says whether its K/V may be attended to. Passes write K/V in place at the slots
+    they compute, so a query never clones the cache.
+
+    Attributes:
+        keys, values: `[L, H, S, D]` buffers, `S` = capacity in tokens.
+        positions: `[S]` int64.
+        valid: `[S]` bool.
+        length: number of slots in use (a prefix of the buffer).
+    """
+
+    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, *, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.keys = torch.zeros(layers, kv_heads, capacity, head_dim, dtype=dtype, device=device)  # [L, H, S, D]
+        self.values = torch.zeros_like(self.keys)  # [L, H, S, D]
+        self.positions = torch.full((capacity,), -1, dtype=torch.int64, device=device)  # [S]
+        self.valid = torch.zeros(capacity, dtype=torch.bool, device=device)  # [S]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys.shape[2])
+
+    def reserve(self, positions: torch.Tensor, *, valid: bool) -> torch.Tensor:
+        """Claim the next `len(positions)` slots for tokens at `positions`; returns the slot indices `[N]`."""
+        n = int(positions.shape[0])
+        if self.length + n > self.capacity:
+            raise ValueError(f"KV buffer full: {self.length} + {n} > capacity {self.capacity}")
+        slots = torch.arange(self.length, self.length + n, device=self.keys.device)
+        self.positions[slots] = positions.to(self.keys.device)
+        self.valid[slots] = valid
+        self.length += n
+        return slots
+
+    def put(self, kv: ChunkKV, keys: torch.Tensor, start_position: int) -> torch.Tensor:
+        """Append a cache whose `keys` `[L, H, T, D]` are already rotated for consecutive positions from
+        `start_position`; returns its slots `[T]`."""
+        positions = torch.arange(start_position, start_position + kv.num_tokens, device=self.keys.device)
+        slots = self.reserve(positions, valid=True)
+        self.keys[:, :, slots] = keys.to(self.keys.device, self.keys.dtype)
+        self.values[:, :, slots] = kv.values.to(self.keys.device, self.keys.dtype)
+        return slots
+
+    def slice(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K/V `[L, H, T, D]` at `slots`, for storing a chunk's part of a prefill."""
+        return self.keys[:, :, slots].clone(), self.values[:, :, slots].clone()

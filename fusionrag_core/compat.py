@@ -1,0 +1,191 @@
+"""Every transformers call whose name or shape moved within 5.x lives here, and only here.
+
+The rest of the package talks to a decoder through `DecoderParts` and `RopeTable`, which are
+plain data; when transformers moves an attribute again, this is the one file to change.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from fusionrag_core.errors import UnsupportedModelError
+
+# RoPE variants whose angles are `position * inv_freq` with a position-independent inv_freq and
+# a constant attention scaling: a shift by `delta` is then an exact rotation by `delta * inv_freq`.
+EXACT_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "proportional"})
+# Position- or length-dependent variants: the rotation a key got depends on more than its position.
+INEXACT_ROPE_TYPES = {
+    "dynamic": "dynamic NTK scaling recomputes inv_freq from the sequence length",
+    "longrope": "LongRoPE switches frequency tables (and scaling) with the sequence length",
+}
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """What one attention layer's rotary embedding is made of.
+
+    Attributes:
+        rope_type: transformers' name for the variant ("default", "llama3", "yarn", ...).
+        inv_freq: `[R/2]` fp32 inverse frequencies; the first `R` head dims are rotated.
+        attention_scaling: constant factor transformers multiplies into cos/sin (YaRN, longrope).
+    """
+
+    rope_type: str
+    inv_freq: torch.Tensor
+    attention_scaling: float
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * int(self.inv_freq.shape[0])
+
+
+@dataclass(frozen=True)
+class DecoderParts:
+    """The modules of a Llama-family decoder, addressed uniformly across architectures."""
+
+    embed_tokens: nn.Module
+    layers: list[nn.Module]
+    final_norm: nn.Module
+    lm_head: nn.Module
+    embed_scale: float
+    final_logit_softcap: float | None
+
+
+def _rope_parameters(config: Any, layer_type: str | None) -> dict[str, Any]:
+    params = getattr(config, "rope_parameters", None)  # transformers >= 5.0
+    if params is None:
+        params = getattr(config, "rope_scaling", None) or {"rope_type": "default"}
+    if layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    return dict(params)
+
+
+def load_model(
+    source: str | Path, *, gguf_file: str | None, dtype: torch.dtype, device: torch.device
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from an HF id, a local directory or a .gguf file."""
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(str(source), **kwargs)
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def text_config(model: PreTrainedModel) -> Any:
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def decoder_parts(model: PreTrainedModel) -> DecoderParts:
+    """Find the embedding, decoder layers, final norm and head of a Llama-family model.
+
+    Raises:
+        UnsupportedModelError: if the model is not a pre-norm RoPE decoder of that family.
+    """
+    config = text_config(model)
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if base is None or layers is None or not hasattr(model, "lm_head"):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is not a Llama-family decoder (model.model.layers + lm_head); "
+            "FusionRAG supports Llama, Mistral, Qwen2/2.5/3 and Gemma 3 text models"
+        )
+    if getattr(base, "rotary_emb", None) is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no rotary embedding (learned absolute positions or ALiBi): "
+            "its cached keys cannot be moved to new positions exactly; use a RoPE model"
+        )
+    attn = layers[0].self_attn
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if not hasattr(attn, name):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} attention has no {name} (fused QKV?); not supported yet"
+            )
+    embed = base.embed_tokens
+    # Gemma scales embeddings by sqrt(hidden) inside its embedding module; read it, don't guess it.
+    embed_scale = float(getattr(embed, "scalar_embed_scale", 1.0))
+    return DecoderParts(
+        embed_tokens=embed,
+        layers=list(layers),
+        final_norm=base.norm,
+        lm_head=model.lm_head,
+        embed_scale=embed_scale,
+        final_logit_softcap=getattr(config, "final_logit_softcapping", None),
+    )
+
+
+def layer_types(model: PreTrainedModel) -> list[str]:
+    config = text_config(model)
+    types = getattr(config, "layer_types", None)
+    return list(types) if types else ["full_attention"] * config.num_hidden_layers
+
+
+def sliding_windows(model: PreTrainedModel) -> list[int | None]:
+    """Per layer, the sliding window length (keys with `q_pos - k_pos >= window` are masked), or None."""
+    config = text_config(model)
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "layer_types", None):
+        # NOTE: Mistral-style configs set one window for every layer and carry no layer_types.
+        return [window] * config.num_hidden_layers
+    return [window if t == "sliding_attention" else None for t in layer_types(model)]
+
+
+def rope_tables(model: PreTrainedModel) -> list[RopeTable]:
+    """Per layer, the rotary table transformers applies, refusing variants we cannot shift exactly."""
+    config = text_config(model)
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError("bidirectional attention cannot reuse causal chunk caches")
+    rotary = model.model.rotary_emb
+    if "mrope_section" in _rope_parameters(config, None) or getattr(rotary, "mrope_section", None):
+        raise UnsupportedModelError(
+            "multimodal RoPE (M-RoPE) rotates by 3-D positions; shifting cached keys is not exact: use a text-only model"
+        )
+    tables: dict[str, RopeTable] = {}
+    out: list[RopeTable] = []
+    for layer_type in layer_types(model):
+        if layer_type not in tables:
+            per_type = hasattr(rotary, f"{layer_type}_inv_freq")  # Gemma 3: one table per layer type
+            rope_type = _rope_parameters(config, layer_type if per_type else None).get("rope_type", "default")
+            if rope_type in INEXACT_ROPE_TYPES:
+                raise UnsupportedModelError(
+                    f"RoPE type {rope_type!r} cannot be re-positioned exactly ({INEXACT_ROPE_TYPES[rope_type]}); "
+                    "use a model with default, linear, llama3 or YaRN RoPE"
+                )
+            if rope_type not in EXACT_ROPE_TYPES:
+                raise UnsupportedModelError(f"unknown RoPE type {rope_type!r}; cannot prove a position shift is exact")
+            inv = getattr(rotary, f"{layer_type}_inv_freq" if per_type else "inv_freq")
+            scaling = getattr(rotary, f"{layer_type}_attention_scaling" if per_type else "attention_scaling")
+            tables[layer_type] = RopeTable(rope_type, inv.detach().to("cpu", torch.float32).clone(), float(scaling))
+        out.append(tables[layer_type])
+    return out
+
+
+def hf_logits(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """Plain transformers forward of `[N]` ids -> `[N, V]` logits, the reference our passes must match."""
+    with torch.inference_mode():
+        return model(input_ids=input_ids[None].to(model.device), use_cache=False).logits[0]
+
+
+def tokenize_plain(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of user text: no BOS/EOS, and special-token strings in it are *not* parsed as specials."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+def tokenize_template(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of rendered chat-template text, where special-token strings *are* specials."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def cache_kwarg() -> str:
+    """Name of the KV-cache argument of model.forward (`past_key_values` became `cache` in 5.24)."""
+    params = inspect.signature(transformers.LlamaModel.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

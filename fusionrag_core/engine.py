@@ -1,0 +1,401 @@
+"""FusionEngine: the public entry that ties model, prompt layout, caches, selection and decoding.
+
+A query, top to bottom:
+    stitch (prefix cache + re-rotated chunk caches)  -> select (a selector's probe pass, if any)
+    -> recompute (selected tokens + question, one pass) -> decode (stream tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from fusionrag_core import model as model_lib
+from fusionrag_core.decode import Sampler, SamplingConfig, TextAssembler
+from fusionrag_core.errors import CacheNotFoundError, ContextLengthError
+from fusionrag_core.forward import Decoder
+from fusionrag_core.kv import ChunkKV, Variant
+from fusionrag_core.prefill import prefill_chunk, prefill_prefix
+from fusionrag_core.prompt import DEFAULT_INSTRUCTION, FusionPrompt, PromptLayout
+from fusionrag_core.recompute import recompute
+from fusionrag_core.select import SelectConfig, get_selector
+from fusionrag_core.stitch import stitch
+
+if TYPE_CHECKING:
+    from fusionrag_core.store.base import KVStore
+
+ChunkInput = str | tuple[str | None, str]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Defaults of every query; each can be overridden per call.
+
+    Attributes:
+        selector: "query_guided" (FusionRAG), "kv_deviation" (CacheBlend), "first_k" (EPIC),
+            "random", "none" (full reuse) or "all" (full recompute).
+        select: ratio and selector knobs.
+        cache_variant: which stored cache to prefer: "fused" (FusionRAG) or "independent".
+        instruction: system instruction of the canonical layout.
+        prefix_cache_size: how many distinct prefixes to keep computed in memory.
+    """
+
+    selector: str = "query_guided"
+    select: SelectConfig = field(default_factory=SelectConfig)
+    cache_variant: Variant = "fused"
+    instruction: str = DEFAULT_INSTRUCTION
+    prefix_cache_size: int = 8
+
+
+@dataclass
+class Generation:
+    """The result of one request, with the statistics integrations report.
+
+    Attributes:
+        text: the answer (stop string excluded).
+        token_ids: generated ids.
+        finish_reason: "stop" (EOS or stop string) or "length".
+        ttft_s: seconds from the call to the first token (stitching, selection, recompute included).
+        total_s: seconds for the whole generation.
+        prompt_tokens / reused_tokens / recomputed_tokens: prompt size; chunk tokens whose cached
+            K/V were kept; context tokens computed afresh (selected + uncached).
+        first_token_logits: `[V]` fp32 logits of the first generated position.
+        cache_misses: chunk id -> why its cache was not used (it was prefilled instead).
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: Literal["stop", "length"]
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    selector: str
+    ratio: float | None
+    kv_bytes_loaded: int
+    first_token_logits: torch.Tensor
+    cache_misses: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def recomputed_fraction(self) -> float:
+        total = self.reused_tokens + self.recomputed_tokens
+        return self.recomputed_tokens / total if total else 0.0
+
+    def stats(self) -> dict[str, float | int | str | None]:
+        """JSON-friendly statistics (what integrations put in response metadata)."""
+        return {
+            "ttft_s": self.ttft_s,
+            "total_s": self.total_s,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.token_ids),
+            "reused_tokens": self.reused_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "recomputed_fraction": self.recomputed_fraction,
+            "selector": self.selector,
+            "ratio": self.ratio,
+            "kv_bytes_loaded": self.kv_bytes_loaded,
+            "finish_reason": self.finish_reason,
+            "cache_misses": len(self.cache_misses),
+        }
+
+
+class GenerationStream:
+    """Iterates text pieces as they are generated; `result` holds the Generation once exhausted."""
+
+    def __init__(self, pieces: Iterator[str | Generation]) -> None:
+        self._pieces = pieces
+        self.result: Generation | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        for piece in self._pieces:
+            if isinstance(piece, Generation):
+                self.result = piece
+            elif piece:
+                yield piece
+
+    def collect(self) -> Generation:
+        for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+
+class FusionEngine:
+    """Fused-cache reuse with query-guided selective recompute over a Llama-family model.
+
+    Example:
+        >>> engine = FusionEngine.from_pretrained()  # packaged SmolLM2-135M-Instruct
+        >>> prompt = engine.prompt("Who designed it?", chunks=["The Lumen lighthouse ...", "Ada Vell ..."])
+        >>> engine.generate(prompt).text
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        name: str | None = None,
+        store: KVStore | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name or str(getattr(model.config, "_name_or_path", type(model).__name__))
+        self.store = store
+        self.config = config or EngineConfig()
+        self.decoder = Decoder(model)
+        self.layout = PromptLayout(tokenizer)
+        self.fingerprint = model_lib.fingerprint(model)
+        self.context_window = model_lib.context_window(model)
+        self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
+        self.eos_ids = self._eos_ids()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | Path | None = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        store: KVStore | None = None,
+        config: EngineConfig | None = None,
+    ) -> FusionEngine:
+        """Load a model and build an engine.
+
+        Args:
+            model: None for the packaged default (SmolLM2-135M-Instruct), a packaged alias
+                ("smollm2-135m", "gemma3-270m"), a .gguf file, a local directory, or an HF id.
+            device: default CUDA if available, else CPU.
+            dtype: default bf16 on GPU, fp32 on CPU.
+            store: where chunk caches are looked up by chunk id (see fusionrag_core.store).
+            config: query defaults.
+        """
+        hf_model, tokenizer, source = model_lib.load(model, device=device, dtype=dtype)
+        return cls(hf_model, tokenizer, name=source.name, store=store, config=config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.device
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        return self.decoder.kv_shape
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, list):
+                ids.update(int(i) for i in source)
+        # chat models end a turn with a template token that is not always the configured EOS
+        for token in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>"):
+            tid = self.tokenizer.convert_tokens_to_ids(token)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid >= 0:
+                ids.add(tid)
+        return ids
+
+    # ---- prompts ---------------------------------------------------------------------------------
+    def prompt(
+        self, question: str, chunks: Sequence[ChunkInput] = (), *, instruction: str | None = None
+    ) -> FusionPrompt:
+        """The canonical request: instruction, passages in order, question.
+
+        Args:
+            question: the user's question.
+            chunks: passage texts, or `(chunk_id, text)` pairs whose caches may be reused.
+            instruction: overrides the configured system instruction.
+        """
+        pairs = [(None, c) if isinstance(c, str) else c for c in chunks]
+        return self.layout.build(
+            [(cid, self.layout.chunk_ids(text)) for cid, text in pairs],
+            question,
+            instruction or self.config.instruction,
+        )
+
+    def prompt_from_messages(self, messages: Sequence[Mapping[str, str]]) -> FusionPrompt:
+        """A request from chat messages whose text may hold `prompt.mark_chunk` marks."""
+        return self.layout.from_messages(messages)
+
+    # ---- caches ----------------------------------------------------------------------------------
+    def prefix_cache(self, prefix_ids: torch.Tensor) -> ChunkKV | None:
+        """The exact cache of a prefix, computed once and kept (LRU) in memory."""
+        if prefix_ids.numel() == 0:
+            return None
+        key = tuple(int(t) for t in prefix_ids)
+        if key in self._prefixes:
+            self._prefixes.move_to_end(key)
+            return self._prefixes[key]
+        kv = prefill_prefix(self.decoder, prefix_ids, self.fingerprint)
+        self._prefixes[key] = kv
+        while len(self._prefixes) > self.config.prefix_cache_size:
+            self._prefixes.popitem(last=False)
+        return kv
+
+    def chunk_cache(
+        self, text: str | torch.Tensor, neighbours: Sequence[ChunkKV] = (), *, instruction: str | None = None
+    ) -> ChunkKV:
+        """A chunk's cache: independent (no neighbours) or fused after `neighbours`, in order.
+
+        Args:
+            text: the chunk's text, or its token ids from `layout.chunk_ids`.
+            neighbours: caches stitched in front of the chunk (their slices are not kept).
+            instruction: the system instruction whose prefix precedes everything.
+        """
+        ids = self.layout.chunk_ids(text) if isinstance(text, str) else text
+        prefix = self.prefix_cache(self.layout.prefix_ids(instruction or self.config.instruction))
+        return prefill_chunk(self.decoder, prefix, ids.to(self.device), self.fingerprint, neighbours)
+
+    def _lookup(self, caches: Mapping[str, ChunkKV] | None, variant: Variant) -> Callable[[str], ChunkKV | None]:
+        def lookup(chunk_id: str) -> ChunkKV | None:
+            if caches is not None and chunk_id in caches:
+                kv = caches[chunk_id]
+                kv.validate(fingerprint=self.fingerprint, shape=self.kv_shape)
+                return kv
+            if self.store is None:
+                return None
+            # NOTE: a fused cache is preferred; the independent one is the next best thing.
+            order: tuple[Variant, ...] = (variant, "independent") if variant == "fused" else (variant,)
+            for v in order:
+                try:
+                    return self.store.get(chunk_id, v, fingerprint=self.fingerprint, shape=self.kv_shape,
+                                          device=self.device, dtype=self.decoder.dtype)
+                except CacheNotFoundError:
+                    continue
+            return None
+
+        return lookup
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate(self, prompt: FusionPrompt, **kwargs: object) -> Generation:
+        """Answer `prompt`; same arguments as `stream`."""
+        return self.stream(prompt, **kwargs).collect()  # type: ignore[arg-type]
+
+    def stream(
+        self,
+        prompt: FusionPrompt,
+        *,
+        sampling: SamplingConfig | None = None,
+        selector: str | None = None,
+        ratio: float | None = None,
+        caches: Mapping[str, ChunkKV] | None = None,
+        variant: Variant | None = None,
+    ) -> GenerationStream:
+        """Answer `prompt`, streaming text pieces.
+
+        Args:
+            prompt: from `prompt()` or `prompt_from_messages()`.
+            sampling: max_new_tokens, temperature, top_p, seed, stop strings (default greedy, 64).
+            selector: which chunk tokens to recompute (default from EngineConfig).
+            ratio: recompute ratio (default from EngineConfig).
+            caches: chunk caches by chunk id, looked up before the store.
+            variant: preferred stored cache variant (default from EngineConfig).
+        """
+        sampling = sampling or SamplingConfig()
+        select_config = self.config.select
+        if ratio is not None:
+            select_config = SelectConfig(ratio, select_config.kv_deviation_layer, select_config.first_k,
+                                         select_config.seed)
+        name = selector or self.config.selector
+        select_fn = get_selector(name)
+        self._check_length(prompt, sampling)
+        lookup = self._lookup(caches, variant or self.config.cache_variant)
+        return GenerationStream(self._run(prompt, sampling, name, select_fn, select_config, lookup))
+
+    def full_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None) -> GenerationStream:
+        """The baseline: a plain prefill of every prompt token from position 0, no cache reused."""
+        sampling = sampling or SamplingConfig()
+        self._check_length(prompt, sampling)
+        return GenerationStream(
+            self._run(prompt, sampling, "full_attention", get_selector("none"), self.config.select,
+                      lambda _: None, use_prefix=False)
+        )
+
+    def _check_length(self, prompt: FusionPrompt, sampling: SamplingConfig) -> None:
+        need = prompt.num_tokens + sampling.max_new_tokens
+        if need > self.context_window:
+            raise ContextLengthError(
+                f"prompt of {prompt.num_tokens} tokens + {sampling.max_new_tokens} new tokens exceeds the model's "
+                f"context window of {self.context_window}; retrieve fewer or smaller chunks, or lower max_new_tokens"
+            )
+
+    def _run(
+        self,
+        prompt: FusionPrompt,
+        sampling: SamplingConfig,
+        name: str,
+        select_fn: Callable[..., torch.Tensor],
+        select_config: SelectConfig,
+        lookup: Callable[[str], ChunkKV | None],
+        *,
+        use_prefix: bool = True,
+    ) -> Iterator[str | Generation]:
+        start = time.perf_counter()
+        if use_prefix:
+            prefix = self.prefix_cache(prompt.prefix)
+            st = stitch(self.decoder, prompt, prefix, lookup, extra_capacity=sampling.max_new_tokens)
+        else:  # full attention: everything, prefix included, is computed in one causal pass
+            flat = FusionPrompt(prompt.prefix[:0], (), prompt.token_ids())
+            st = stitch(self.decoder, flat, None, lookup, extra_capacity=sampling.max_new_tokens)
+        budget = select_config.budget(st.num_reused_tokens)
+        selected = select_fn(st, budget, select_config)
+        out, recomputed = recompute(st, selected)
+        assert out.logits is not None
+        first_logits = out.logits
+        sampler = Sampler(sampling)
+        token = sampler(first_logits)
+        ttft = time.perf_counter() - start
+
+        assembler = TextAssembler(self.tokenizer, sampling.stop)
+        ids: list[int] = []
+        finish: Literal["stop", "length"] = "length"
+        position = prompt.num_tokens
+        while True:
+            if token in self.eos_ids:
+                finish = "stop"
+                break
+            ids.append(token)
+            piece = assembler.add(token)
+            if piece:
+                yield piece
+            if assembler.stopped:
+                finish = "stop"
+                break
+            if len(ids) >= sampling.max_new_tokens:
+                break
+            slot = st.buf.reserve(torch.tensor([position], device=self.device), valid=True)
+            step = self.decoder.forward(st.buf, torch.tensor([token], device=self.device), slot)
+            assert step.logits is not None
+            token = sampler(step.logits)
+            position += 1
+        tail = assembler.flush()
+        if tail:
+            yield tail
+        reused = st.num_reused_tokens - int(selected.shape[0])
+        yield Generation(
+            text=assembler.text,
+            token_ids=ids,
+            finish_reason=finish,
+            ttft_s=ttft,
+            total_s=time.perf_counter() - start,
+            prompt_tokens=prompt.num_tokens,
+            reused_tokens=reused,
+            recomputed_tokens=recomputed if use_prefix else prompt.num_tokens,
+            selector=name,
+            ratio=select_config.ratio if name not in ("none", "all", "full_attention") else None,
+            kv_bytes_loaded=st.kv_bytes_loaded,
+            first_token_logits=first_logits.detach().cpu(),
+            cache_misses=dict(st.misses),
+        )
+
+
+
+__all__ = ["ChunkInput", "EngineConfig", "FusionEngine", "Generation", "GenerationStream"]

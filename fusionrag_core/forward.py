@@ -1,0 +1,187 @@
+"""One decoder pass over a slot-addressed KV buffer: the only place that runs the model's layers.
+
+Every prefill, selective recompute and decode step is this pass with different tokens. It runs
+the transformers modules of a Llama-family decoder (projections, norms, MLP) but owns attention,
+so that it can (a) write new K/V in place at arbitrary slots, (b) mask by *position* — causal and
+sliding-window — rather than by slot order, and (c) read the question's attention at the last
+layer without materialising any `T x T` matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from fusionrag_core import compat
+from fusionrag_core.errors import UnsupportedModelError
+from fusionrag_core.kv import KVBuffer
+from fusionrag_core.rope import apply_rope, cos_sin
+
+
+@dataclass
+class PassOutput:
+    """What a pass returns besides the K/V it wrote into the buffer.
+
+    Attributes:
+        logits: `[V]` fp32 logits of the pass's last token, or None if not asked for.
+        attention: `[S_used]` fp32 last-layer attention mass each slot received from the pass's
+            tokens (softmax per head over the visible keys, summed over heads and tokens), or None.
+        probe_keys: `[H, N, D]` post-RoPE keys of the pass's tokens at `probe_layer`, or None.
+    """
+
+    logits: torch.Tensor | None = None
+    attention: torch.Tensor | None = None
+    probe_keys: torch.Tensor | None = None
+
+
+class Decoder:
+    """Runs a Llama-family transformers model layer by layer over a `KVBuffer`."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.parts = compat.decoder_parts(model)
+        self.rope = compat.rope_tables(model)
+        self.windows = compat.sliding_windows(model)
+        attn = self.parts.layers[0].self_attn
+        if getattr(attn, "attn_logit_softcapping", None) is not None:
+            raise UnsupportedModelError(
+                "attention logit soft-capping (Gemma 2) has no fused attention kernel; use Gemma 3 or a Llama/Qwen model"
+            )
+        config = compat.text_config(model)
+        self.num_layers = len(self.parts.layers)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self.scaling = float(attn.scaling)
+        self.sandwich_norms = hasattr(self.parts.layers[0], "pre_feedforward_layernorm")  # Gemma 2/3
+        self.qk_norm = hasattr(attn, "q_norm")  # Qwen3, Gemma 3
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """`(L, H, D)` of every K/V tensor this model produces."""
+        return (self.num_layers, self.num_kv_heads, self.head_dim)
+
+    def new_buffer(self, capacity: int) -> KVBuffer:
+        return KVBuffer(self.num_layers, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype,
+                        device=self.device)
+
+    def _mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor,
+              window: int | None) -> torch.Tensor:
+        """`[N, S]` bool: query i may see key j iff j is valid, not in its future, and inside its window."""
+        mask = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        if window is not None:
+            mask &= (q_pos[:, None] - k_pos[None, :]) < window
+        return mask
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        buf: KVBuffer,
+        token_ids: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        logits: bool = True,
+        attention_from: int | None = None,
+        probe_layer: int | None = None,
+    ) -> PassOutput:
+        """Run `token_ids` `[N]` at the positions already reserved for `slots` `[N]` in `buf`.
+
+        All N tokens' K/V are written into their slots at each layer *before* that layer's
+        attention, so tokens of one pass see each other causally by position — which is what makes
+        a recompute of every token equal a plain prefill.
+
+        Args:
+            buf: the request's KV buffer; slots `>= buf.length` are ignored as keys.
+            token_ids: `[N]` int64 tokens to compute.
+            slots: `[N]` buffer slots reserved for them (their positions are `buf.positions[slots]`).
+            logits: compute the last token's logits.
+            attention_from: if set, report last-layer attention mass per slot received from the
+                pass's tokens at index `>= attention_from` (the question, for query-guided selection).
+            probe_layer: if set, stop at this layer and return the tokens' new post-RoPE keys
+                there (nothing at this layer or above is written).
+        """
+        N = int(token_ids.shape[0])
+        S = buf.length
+        q_pos = buf.positions[slots]  # [N]
+        k_pos = buf.positions[:S]  # [S]
+        k_valid = buf.valid[:S].clone()
+        k_valid[slots] = True
+        out = PassOutput()
+
+        masks: dict[int | None, torch.Tensor | None] = {}
+        cos_sin_by_table: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        x = self.parts.embed_tokens(token_ids.to(self.device)[None])  # [1, N, C]
+        for i, layer in enumerate(self.parts.layers):
+            attn = layer.self_attn
+            table = self.rope[i]
+            if id(table) not in cos_sin_by_table:
+                cos_sin_by_table[id(table)] = cos_sin(q_pos, table, x.dtype)
+            cos, sin = cos_sin_by_table[id(table)]  # [N, R]
+
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(1, N, self.num_heads, self.head_dim).transpose(1, 2)  # [1, Hq, N, D]
+            k = attn.k_proj(h).view(1, N, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [1, H, N, D]
+            v = attn.v_proj(h).view(1, N, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [1, H, N, D]
+            if self.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if i == probe_layer:
+                out.probe_keys = k[0]
+                return out
+            buf.keys[i, :, slots] = k[0]
+            buf.values[i, :, slots] = v[0]
+
+            window = self.windows[i]
+            if window not in masks:
+                whole_causal = window is None and N == S and bool(k_valid.all()) and bool(
+                    (q_pos == torch.arange(S, device=q_pos.device)).all())
+                # NOTE: a plain prefill from position 0 takes SDPA's causal fast path, no mask tensor.
+                masks[window] = None if whole_causal else self._mask(q_pos, k_pos, k_valid, window)
+            mask = masks[window]
+            keys, values = buf.keys[i, :, :S][None], buf.values[i, :, :S][None]  # [1, H, S, D]
+            o = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scaling,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )  # [1, Hq, N, D]
+
+            if attention_from is not None and i == self.num_layers - 1:
+                out.attention = self._attention_mass(q[0, :, attention_from:], buf.keys[i, :, :S],
+                                                     mask[attention_from:] if mask is not None else
+                                                     self._mask(q_pos[attention_from:], k_pos, k_valid, window))
+
+            o = attn.o_proj(o.transpose(1, 2).reshape(1, N, self.num_heads * self.head_dim))
+            if self.sandwich_norms:
+                x = x + layer.post_attention_layernorm(o)
+                x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+            else:
+                x = x + o
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+
+        if logits:
+            last = self.parts.final_norm(x[:, -1:])
+            out.logits = self.parts.lm_head(last)[0, 0].float()
+            if self.parts.final_logit_softcap is not None:
+                cap = self.parts.final_logit_softcap
+                out.logits = torch.tanh(out.logits / cap) * cap
+        return out
+
+    def _attention_mass(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention probability each key slot receives, summed over heads and queries.
+
+        Args:
+            q: `[Hq, Nq, D]` post-RoPE queries; keys: `[H, S, D]`; mask: `[Nq, S]` bool.
+
+        Returns:
+            `[S]` fp32. NOTE: only `Nq x S` scores per head exist at once (Nq = question length).
+        """
+        group = self.num_heads // self.num_kv_heads
+        Hq, Nq, D = q.shape
+        qg = q.float().reshape(self.num_kv_heads, group * Nq, D)  # query head h uses kv head h // group
+        scores = torch.bmm(qg, keys.float().transpose(1, 2)) * self.scaling  # [H, G*Nq, S]
+        scores = scores.view(Hq, Nq, -1).masked_fill(~mask[None], float("-inf"))
+        return torch.softmax(scores, dim=-1).sum(dim=(0, 1))  # [S]

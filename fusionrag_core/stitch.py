@@ -1,0 +1,107 @@
+"""Stitch a request's KV buffer: prefix cache, then chunk caches re-rotated to consecutive positions.
+
+After stitching, every prompt token has a slot and `slot == position`. Chunk tokens with a cache
+are valid keys; plain text, chunks without a usable cache, and the question hold reserved but
+invalid slots: they are computed by the recompute pass, never attended to before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from fusionrag_core.forward import Decoder
+from fusionrag_core.kv import ChunkKV, KVBuffer
+from fusionrag_core.prompt import FusionPrompt
+from fusionrag_core.rope import shift_keys
+
+# Looks up a chunk's cache by id; returns None when there is none (the chunk is then prefilled).
+CacheLookup = Callable[[str], ChunkKV | None]
+
+
+@dataclass
+class Stitched:
+    """A request's buffer right after stitching, and where everything sits in it.
+
+    Attributes:
+        decoder: the model pass.
+        buf: the KV buffer (capacity includes the generation budget).
+        slot_tokens: `[S]` token id in each slot (prompt tokens only).
+        chunk_slots: per reused chunk, its slots `[T_c]` (cached, valid).
+        forced_slots: `[F]` context slots with no usable cache: always recomputed.
+        question_slots: `[Q]` slots of the question, computed last.
+        kv_bytes_loaded: bytes of chunk K/V read from caches.
+        misses: chunk ids whose cache was missing or did not match, with the reason.
+    """
+
+    decoder: Decoder
+    buf: KVBuffer
+    slot_tokens: torch.Tensor
+    chunk_slots: list[torch.Tensor]
+    forced_slots: torch.Tensor
+    question_slots: torch.Tensor
+    kv_bytes_loaded: int = 0
+    misses: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def reusable_slots(self) -> torch.Tensor:
+        if not self.chunk_slots:
+            return torch.empty(0, dtype=torch.int64, device=self.buf.keys.device)
+        return torch.cat(self.chunk_slots)
+
+    @property
+    def num_reused_tokens(self) -> int:
+        return sum(int(s.shape[0]) for s in self.chunk_slots)
+
+    @property
+    def question_ids(self) -> torch.Tensor:
+        return self.slot_tokens[self.question_slots]
+
+
+def stitch(
+    decoder: Decoder,
+    prompt: FusionPrompt,
+    prefix: ChunkKV | None,
+    lookup: CacheLookup,
+    *,
+    extra_capacity: int,
+) -> Stitched:
+    """Lay out `prompt` in a fresh buffer: prefix cache, shifted chunk caches, reserved slots.
+
+    Args:
+        decoder: the model pass (gives buffer shape, RoPE tables, dtype, device).
+        prompt: the request.
+        prefix: the prefix's exact cache at positions `0..P-1` (None when the prompt has no prefix).
+        lookup: chunk id -> cache or None.
+        extra_capacity: slots to leave for generated tokens.
+    """
+    device = decoder.device
+    buf = decoder.new_buffer(prompt.num_tokens + extra_capacity)
+    slot_tokens = prompt.token_ids().to(device)
+    if prefix is not None:
+        buf.put(prefix, prefix.keys, 0)
+    chunk_slots: list[torch.Tensor] = []
+    forced: list[torch.Tensor] = []
+    loaded = 0
+    misses: dict[str, str] = {}
+    for seg in prompt.segments:
+        start = buf.length
+        kv = lookup(seg.chunk_id) if seg.chunk_id else None
+        if kv is not None and not torch.equal(kv.token_ids.cpu(), seg.token_ids.cpu()):
+            misses[seg.chunk_id or ""] = "cached token ids differ from the prompt's text"
+            kv = None
+        elif seg.chunk_id and kv is None:
+            misses[seg.chunk_id] = "no cache stored for this chunk id"
+        if kv is None:
+            forced.append(buf.reserve(torch.arange(start, start + seg.num_tokens, device=device), valid=False))
+            continue
+        new_positions = torch.arange(start, start + kv.num_tokens, device=kv.keys.device)
+        keys = shift_keys(kv.keys, new_positions - kv.positions.to(kv.keys.device), decoder.rope)  # [L, H, T, D]
+        chunk_slots.append(buf.put(kv, keys, start))
+        loaded += kv.nbytes
+    q_len = int(prompt.question.shape[0])
+    question_slots = buf.reserve(torch.arange(buf.length, buf.length + q_len, device=device), valid=False)
+    forced_slots = torch.cat(forced) if forced else torch.empty(0, dtype=torch.int64, device=device)
+    return Stitched(decoder, buf, slot_tokens, chunk_slots, forced_slots, question_slots, loaded, misses)
