@@ -259,7 +259,7 @@ class RetrievedChunk:
     chunk_id: str
     text: str
     score: float
-    metadata: dict[str, Primitive] = field(default_factory=dict)
+    metadata: dict[str, Primitive] = field(default_factory=dict, hash=False)
 
 
 def _check_metadata(chunk_id: str, metadata: Mapping[str, Any] | None) -> dict[str, Primitive] | None:

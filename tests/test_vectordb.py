@@ -100,6 +100,7 @@ def test_add_search_neighbours_delete(make_config: Callable[..., VectorDBConfig]
     hits = search(col, "a young kitten playing", 3)
     assert [h.chunk_id for h in hits[:2]] == ["cat2", "cat1"]
     assert all(isinstance(h, RetrievedChunk) for h in hits)
+    assert len({hits[0], hits[0], hits[1]}) == 2  # hashable despite the metadata dict
     assert hits[0].text == CHUNKS["cat2"][0]
     assert hits[0].metadata == {"doc_id": "pets", "index": 1, "fused": False, "weight": 0.5}
     scores = [h.score for h in hits]
@@ -201,11 +202,25 @@ def test_add_chunks_validation(tmp_path: Path, ef: EmbeddingFn) -> None:
     assert query_neighbours(col, [0.0] * 384, 0) == []
 
 
-def test_all_ids_and_get_embeddings_paginate(
-    tmp_path: Path, ef: EmbeddingFn, monkeypatch: pytest.MonkeyPatch
-) -> None:
+class HashEmbedding(EmbeddingFunction[Documents]):
+    """A cheap deterministic 8-d embedding, for tests that do not need semantics."""
+
+    fusionrag_id = "test/hash-8d"
+
+    def __init__(self) -> None:
+        pass
+
+    def __call__(self, input: Documents) -> list[list[float]]:  # type: ignore[override]
+        return [[float((hash(t) >> s) & 0xFF) + 1.0 for s in range(0, 64, 8)] for t in input]
+
+    @staticmethod
+    def name() -> str:
+        return "fusionrag_test_hash"
+
+
+def test_all_ids_and_get_embeddings_paginate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vectordb, "_BATCH", 2)  # pages of 2 (get) / 8 (all_ids) on 19 chunks
-    col = open_collection(VectorDBConfig(path=str(tmp_path)), ef)
+    col = open_collection(VectorDBConfig(path=str(tmp_path)), HashEmbedding())
     ids = [f"c{i:02d}" for i in range(19)]
     add_chunks(col, ids, [f"chunk number {i}" for i in range(19)])
     assert all_ids(col) == set(ids)

@@ -114,6 +114,27 @@ def _checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str
     return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
 
 
+_HALF_MAX = torch.finfo(torch.float16).max
+
+
+def _overflows_half(*tensors: torch.Tensor) -> bool:
+    """Whether casting to float16 would turn a finite value into inf.
+
+    NOTE: only float16 needs this: bfloat16 and float32 share float32's range. One aminmax pass is
+    ~10x cheaper than isfinite on the cast copy; the exact check runs only when it flags something,
+    so caches that already hold inf/nan (a caller bug we pass through) are not misreported.
+    """
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        lo, hi = torch.aminmax(t.detach())
+        if float(hi) > _HALF_MAX or float(lo) < -_HALF_MAX:
+            finite = torch.isfinite(t)
+            if bool((t[finite].abs() > _HALF_MAX).any()):
+                return True
+    return False
+
+
 def encode_blob(chunk_id: str, kv: ChunkKV, storage_dtype: StorageDType) -> bytes:
     """Serialise `kv` to the safetensors blob format described in the module docstring.
 
@@ -133,8 +154,7 @@ def encode_blob(chunk_id: str, kv: ChunkKV, storage_dtype: StorageDType) -> byte
     target = storage_torch_dtype(storage_dtype)
     keys = kv.keys.detach().to("cpu", target).contiguous()  # [L, H, T, D]
     values = kv.values.detach().to("cpu", target).contiguous()  # [L, H, T, D]
-    cast_finite = bool(torch.isfinite(keys).all()) and bool(torch.isfinite(values).all())
-    if not cast_finite and bool(torch.isfinite(kv.keys).all()) and bool(torch.isfinite(kv.values).all()):
+    if target == torch.float16 and kv.keys.dtype != torch.float16 and _overflows_half(kv.keys, kv.values):
         raise InvalidRequestError(
             f"chunk {chunk_id}: K/V values overflow {storage_dtype} (|x| > its max); "
             "open the store with storage_dtype='bfloat16' or 'float32' for this model"
@@ -220,7 +240,11 @@ def decode_blob(
     meta = _read_header_metadata(blob, source)
     if meta.get("format") != FORMAT_NAME:
         raise _corrupt(source, f"not a fusionrag KV blob (format={meta.get('format')!r})")
-    if meta.get("format_version") != FORMAT_VERSION:
+    version = meta.get("format_version", "")
+    if not (version.isascii() and version.isdigit()):
+        raise _corrupt(source, f"bad format version {version!r}")
+    # NOTE: checked before the checksum, whose scheme a future version may change.
+    if version != FORMAT_VERSION:
         raise CacheMismatchError(
             f"KV cache {source} has format version {meta.get('format_version')!r}, this fusionrag reads "
             f"version {FORMAT_VERSION}; re-ingest with this version (or upgrade fusionrag)"
