@@ -63,8 +63,11 @@ def shift_keys(keys: torch.Tensor, delta: torch.Tensor, tables: Sequence[RopeTab
     delta = delta.to(keys.device).expand(T) if delta.dim() == 0 else delta.to(keys.device)
     if bool((delta == 0).all()):
         return keys
+    if all(t is tables[0] for t in tables):  # one table for every layer: no gather/scatter needed
+        cos, sin = cos_sin(delta, tables[0], torch.float32, scaled=False)  # [T, R]
+        return apply_rope(keys.to(torch.float32), cos, sin).to(keys.dtype)
     out = torch.empty_like(keys)
-    # NOTE: layers sharing a table (all of them, except on Gemma 3) are rotated in one batch.
+    # NOTE: layers sharing a table (e.g. Gemma 3's local vs global layers) are rotated in one batch.
     groups: dict[int, list[int]] = {}
     for i, table in enumerate(tables):
         groups.setdefault(id(table), []).append(i)
