@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import transformers
@@ -52,7 +52,7 @@ class DecoderParts:
     """The modules of a Llama-family decoder, addressed uniformly across architectures."""
 
     embed_tokens: nn.Module
-    layers: list[nn.Module]
+    layers: list[Any]  # decoder layers; Any because transformers types them loosely
     final_norm: nn.Module
     lm_head: nn.Module
     embed_scale: float
@@ -75,7 +75,7 @@ def load_model(
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(str(source), **kwargs)
-    model.to(device)
+    cast(Any, model).to(device)
     model.eval()
     return model, tokenizer
 
@@ -147,7 +147,8 @@ def rope_tables(model: PreTrainedModel) -> list[RopeTable]:
     rotary = model.model.rotary_emb
     if "mrope_section" in _rope_parameters(config, None) or getattr(rotary, "mrope_section", None):
         raise UnsupportedModelError(
-            "multimodal RoPE (M-RoPE) rotates by 3-D positions; shifting cached keys is not exact: use a text-only model"
+            "multimodal RoPE (M-RoPE) rotates by 3-D positions; shifting cached keys is not exact: "
+            "use a text-only model"
         )
     tables: dict[str, RopeTable] = {}
     out: list[RopeTable] = []

@@ -73,7 +73,7 @@ class TextAssembler:
     def add(self, token_id: int) -> str:
         """Add a token; returns the new text that is safe to stream (may be empty)."""
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = str(self.tokenizer.decode(self.ids, skip_special_tokens=True))
         if text.endswith("\ufffd"):
             return ""
         self.text = text

@@ -48,7 +48,8 @@ class Decoder:
         attn = self.parts.layers[0].self_attn
         if getattr(attn, "attn_logit_softcapping", None) is not None:
             raise UnsupportedModelError(
-                "attention logit soft-capping (Gemma 2) has no fused attention kernel; use Gemma 3 or a Llama/Qwen model"
+                "attention logit soft-capping (Gemma 2) has no fused attention kernel; "
+                "use Gemma 3 or a Llama/Qwen model"
             )
         config = compat.text_config(model)
         self.num_layers = len(self.parts.layers)

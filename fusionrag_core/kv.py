@@ -91,7 +91,7 @@ class ChunkKV:
             )
         if shape is not None:
             L, H, _, D = self.keys.shape
-            if (L, H, D) != shape:
+            if shape != (L, H, D):
                 raise CacheMismatchError(
                     f"cache has (layers, kv_heads, head_dim)={(L, H, D)} but the model expects {shape}; "
                     "it was built for another model: re-ingest"

@@ -110,7 +110,8 @@ class PromptLayout:
         return before, after
 
     def _apply(self, messages: Sequence[Mapping[str, str]]) -> str:
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                                  add_generation_prompt=True)
         return str(text)
 
     def prefix_ids(self, instruction: str = DEFAULT_INSTRUCTION) -> torch.Tensor:
@@ -150,7 +151,9 @@ class PromptLayout:
         return f"{before}{context}{QUESTION_TEMPLATE.format(question=question.strip())}{after}"
 
     # ---- flattened prompts from frameworks -------------------------------------------------------
-    def from_messages(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> FusionPrompt:
+    def from_messages(
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+    ) -> FusionPrompt:
         """Split a conversation whose text may contain `mark_chunk` marks into a FusionPrompt.
 
         Marked chunks become chunk segments (their cache is looked up by id and used only if the

@@ -95,5 +95,5 @@ def test_position_dependent_rope_is_refused(rope_parameters: dict[str, Any], rea
 
 def test_learned_absolute_positions_are_refused() -> None:
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
-    with pytest.raises(UnsupportedModelError, match="Llama-family|learned absolute"):
+    with pytest.raises(UnsupportedModelError, match=r"Llama-family|learned absolute"):
         compat.decoder_parts(model)
