@@ -1,0 +1,243 @@
+"""FusionIndex: a corpus of chunks searchable in Chroma, with every chunk's KV caches in a store.
+
+It ties an engine, a Chroma collection and a KV store. The collection records which model and
+which ingest settings built it, so a corpus is never read with caches of another model and never
+extended with chunks cut or fused another way.
+
+Example:
+    >>> engine = FusionEngine.from_pretrained()
+    >>> index = FusionIndex.open(engine, "./fusionrag-data")
+    >>> index.add_texts(["The Lumen lighthouse was designed by Ada Vell.", "Ada Vell was born in Marrow."])
+    >>> generation, hits = index.answer("Where was the designer of the Lumen lighthouse born?")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from chromadb.api.models.Collection import Collection
+
+from fusionrag_core import vectordb
+from fusionrag_core.engine import FusionEngine, Generation
+from fusionrag_core.errors import CacheMismatchError, InvalidRequestError
+from fusionrag_core.ingest import IngestConfig, Ingestor, IngestReport, VerifyReport
+from fusionrag_core.prompt import FusionPrompt
+from fusionrag_core.store import DiskKVStore, KVStore, StorageDType, open_store
+from fusionrag_core.vectordb import RetrievedChunk
+
+# Collection metadata keys: what built the collection.
+MODEL_KEY = "fusionrag_model"
+MODEL_NAME_KEY = "fusionrag_model_name"
+INGEST_KEY = "fusionrag_ingest"
+
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class FusionIndex:
+    """Engine + Chroma collection + KV store, kept in agreement by chunk id.
+
+    Args:
+        engine: the model; the index points `engine.store` at `store`.
+        collection: the chunk collection (from `vectordb.open_collection`).
+        store: the chunk caches.
+        config: chunking and fusion settings; None = the settings the collection was built with
+            (the defaults for a new collection).
+        embedding_function: the collection's embedding function (default: the offline MiniLM).
+
+    Raises:
+        CacheMismatchError: the collection was built by another model.
+        InvalidRequestError: `config` differs from the collection's settings, or the embedding
+            function is not the collection's, or the collection was not built by FusionRAG.
+    """
+
+    def __init__(
+        self,
+        engine: FusionEngine,
+        collection: Collection,
+        store: KVStore,
+        config: IngestConfig | None = None,
+        *,
+        embedding_function: vectordb.EmbeddingFn | None = None,
+    ) -> None:
+        self.engine = engine
+        self.collection = collection
+        self.store = store
+        ef = embedding_function if embedding_function is not None else vectordb.default_embedding_function()
+        self.config = _bind(collection, engine, config, ef)
+        self.ingestor = Ingestor(engine, collection, store, self.config, ef)
+        engine.store = store
+
+    @classmethod
+    def open(
+        cls,
+        engine: FusionEngine,
+        data_dir: str | Path = "./fusionrag-data",
+        *,
+        chroma_url: str | None = None,
+        redis_url: str | None = None,
+        collection_name: str = "fusionrag",
+        config: IngestConfig | None = None,
+        embedding_function: vectordb.EmbeddingFn | None = None,
+        storage_dtype: StorageDType = "float16",
+    ) -> FusionIndex:
+        """Open (creating if needed) an index and point `engine.store` at its KV store.
+
+        Args:
+            engine: the model.
+            data_dir: holds `chroma/` (embedded database, unless `chroma_url`) and
+                `kv/<collection_name>/` (disk caches, unless `redis_url`).
+            chroma_url: `http://host:port` of a Chroma server (`chroma run`).
+            redis_url: `redis://host:port/db`; caches are namespaced by collection name.
+            collection_name: the Chroma collection (one corpus).
+            config: chunking and fusion settings (None: the collection's own, or the defaults).
+            embedding_function: default the offline all-MiniLM-L6-v2.
+            storage_dtype: dtype of stored keys/values (see `KVStore`).
+
+        Raises:
+            CacheMismatchError / InvalidRequestError: as `FusionIndex(...)`.
+            FusionRAGError: a server cannot be reached.
+        """
+        root = Path(data_dir).expanduser()
+        ef = embedding_function if embedding_function is not None else vectordb.default_embedding_function()
+        vconfig = vectordb.VectorDBConfig(path=str(root / "chroma"), url=chroma_url, collection=collection_name)
+        collection = vectordb.open_collection(vconfig, ef)
+        # NOTE: one store per collection: fused caches depend on the corpus, and verify deletes
+        # blobs the collection does not know, so two corpora must never share a store.
+        store: KVStore
+        if redis_url is not None:
+            store = open_store(redis_url, storage_dtype=storage_dtype, namespace=_namespace(collection_name))
+        else:
+            store = DiskKVStore(root / "kv" / collection_name, storage_dtype=storage_dtype)
+        return cls(engine, collection, store, config, embedding_function=ef)
+
+    # ---- writing ------------------------------------------------------------------------------------
+    def add_texts(
+        self,
+        texts: Sequence[str],
+        metadatas: Sequence[Mapping[str, Any] | None] | None = None,
+        doc_ids: Sequence[str] | None = None,
+        *,
+        progress: bool = False,
+    ) -> IngestReport:
+        """Chunk, cache (independent and fused) and index documents; resumes an interrupted run.
+
+        Args:
+            texts: one text per document.
+            metadatas: per document, str/int/float/bool values copied to each of its chunks.
+            doc_ids: per document; default a hash of its text. An existing id is replaced.
+            progress: show tqdm bars (chunks, chunks/s, ETA).
+
+        Returns:
+            What was done (new, skipped and re-fused chunks, prefills, time).
+        """
+        return self.ingestor.add(texts, metadatas, doc_ids, progress=progress)
+
+    def delete(self, doc_ids: Sequence[str]) -> int:
+        """Remove documents (Chroma entries and every cache variant of chunks no other document
+        shares); chunks that were fused after them are re-fused. Returns the chunks removed."""
+        return self.ingestor.delete(doc_ids)
+
+    def verify(self, repair: bool = True) -> VerifyReport:
+        """Check that Chroma and the KV store agree, loading every blob; optionally repair.
+
+        Finds Chroma ids missing a blob (recomputed; removed if the entry has no text), orphan blobs
+        (deleted), corrupt or mismatched blobs (recomputed) and out-of-date fused caches (re-fused).
+        Do not run it while another process ingests into the same index.
+        """
+        return self.ingestor.verify(repair=repair)
+
+    # ---- reading ------------------------------------------------------------------------------------
+    def search(self, query: str, k: int = 4) -> list[RetrievedChunk]:
+        """The `k` chunks most similar to `query`, best first."""
+        return vectordb.search(self.collection, query, k)
+
+    def prompt_for(self, question: str, chunks: Sequence[RetrievedChunk]) -> FusionPrompt:
+        """The canonical prompt over `chunks` (in the given order), each tagged with its chunk id so
+        its cache is found."""
+        return self.engine.prompt(question, chunks=[(c.chunk_id, c.text) for c in chunks])
+
+    def answer(self, question: str, k: int = 4, **generate_kwargs: Any) -> tuple[Generation, list[RetrievedChunk]]:
+        """Search, build the prompt and generate with the chunks' stored caches.
+
+        Args:
+            question: the user's question.
+            k: chunks to retrieve.
+            **generate_kwargs: passed to `engine.generate` (sampling, selector, ratio, variant...).
+
+        Raises:
+            InvalidRequestError: the index is empty.
+        """
+        hits = self.search(question, k)
+        if not hits:
+            raise InvalidRequestError("the index holds no chunks; add documents with add_texts first")
+        # NOTE: caches are looked up in engine.store; re-point it in case the engine was shared with
+        # another index since (an engine serves one request at a time anyway).
+        self.engine.store = self.store
+        return self.engine.generate(self.prompt_for(question, hits), **generate_kwargs), hits
+
+    def __len__(self) -> int:
+        return self.collection.count()
+
+    def __repr__(self) -> str:
+        return f"FusionIndex(collection={self.collection.name!r}, store={self.store!r}, model={self.engine.name!r})"
+
+
+def _namespace(collection_name: str) -> str:
+    """A Redis namespace for the collection (names longer than a namespace allows are hashed)."""
+    name = f"fusionrag.{collection_name}"
+    if _NAMESPACE_RE.fullmatch(name):
+        return name
+    return "fusionrag." + hashlib.sha256(collection_name.encode()).hexdigest()[:32]
+
+
+def _bind(
+    collection: Collection, engine: FusionEngine, config: IngestConfig | None, ef: vectordb.EmbeddingFn
+) -> IngestConfig:
+    """Check (or, for an empty collection, record) the model and settings the collection is built
+    with; returns the ingest config to use."""
+    metadata = dict(collection.metadata or {})
+    where = f"collection {collection.name!r}"
+    recorded_ef = metadata.get(vectordb.EMBEDDING_META_KEY)
+    if recorded_ef is not None and recorded_ef != vectordb.embedding_id(ef):
+        raise InvalidRequestError(
+            f"{where} holds embeddings of {recorded_ef!r}, but the embedding function given is "
+            f"{vectordb.embedding_id(ef)!r}; pass the same embedding function, or use another collection"
+        )
+    model = metadata.get(MODEL_KEY)
+    if model is None:
+        if collection.count():
+            raise InvalidRequestError(
+                f"{where} holds {collection.count()} entries that FusionRAG did not ingest (no model recorded); "
+                "choose another collection name for a FusionRAG index"
+            )
+        chosen = config or IngestConfig()
+        collection.modify(metadata={
+            **metadata,
+            MODEL_KEY: engine.fingerprint,
+            MODEL_NAME_KEY: engine.name,
+            INGEST_KEY: json.dumps(chosen.identity(), sort_keys=True),
+        })
+        return chosen
+    if model != engine.fingerprint:
+        raise CacheMismatchError(
+            f"{where} was built with model {metadata.get(MODEL_NAME_KEY)!r} (fingerprint {str(model)[:12]}), "
+            f"but the engine runs {engine.name!r} (fingerprint {engine.fingerprint[:12]}); load the model it was "
+            "built with, or use another collection name / data dir and ingest the corpus with this model"
+        )
+    recorded = json.loads(str(metadata.get(INGEST_KEY, "{}")))
+    if config is None:
+        return IngestConfig(**recorded)
+    if config.identity() != recorded:
+        raise InvalidRequestError(
+            f"{where} was built with ingest settings {recorded}, but config={config.identity()}; pass "
+            "config=None (or the same settings) to use it, or use another collection name to build it anew"
+        )
+    return config
+
+
+__all__ = ["FusionIndex", "IngestConfig", "IngestReport", "VerifyReport"]

@@ -1,0 +1,765 @@
+"""Ingest: chunk documents, precompute every chunk's independent and fused KV caches, index them.
+
+One `add` call, top to bottom:
+
+    cut documents into chunks (content ids)  -> settle ownership (updated/shared documents)
+    -> independent caches of new chunks (stored)  -> each new chunk's top-n neighbours among the
+       collection *and* the other new chunks  -> mark existing chunks whose neighbour set changes
+    -> fused caches of new chunks (stored), then their Chroma entries  -> re-fuse marked chunks.
+
+Invariants, which make an ingest killed at any point resumable by running it again:
+
+* a chunk's KV blobs are written before its Chroma entry, and Chroma entries are deleted before
+  blobs: every Chroma id has its blobs (`verify` repairs what a crash or bit rot breaks);
+* a chunk whose fused cache is out of date (a neighbour appeared or was deleted) carries
+  `fusion_pending=True` in its Chroma metadata until it is re-fused; every `add`, `delete` and
+  `verify` finishes pending work, whoever left it;
+* blobs of chunks the collection does not hold (a run killed between blobs and entries) are
+  deleted at the end of every `add` and `delete`, once this call's chunks are all in Chroma.
+
+Chroma metadata of a chunk (primitives only; tensors live in the KV store under the chunk id):
+`doc_id` and `chunk_index` (the first document that contains it), the caller's metadata, and the
+bookkeeping keys below. A chunk whose text occurs in several documents is stored once and owned by
+all of them (`fusion_docs`); it is deleted with its last owner, and keeps the first owner's
+`chunk_index` and metadata.
+
+NOTE: one writer at a time per collection: two processes ingesting into the same collection, or
+`verify` running beside an ingest (it deletes blobs not yet in Chroma as orphans), is unsupported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, cast
+
+import numpy as np
+import torch
+from chromadb.api.models.Collection import Collection
+from tqdm.auto import tqdm
+
+from fusionrag_core import vectordb
+from fusionrag_core.chunking import Chunker, ChunkingConfig, chunk_id
+from fusionrag_core.engine import FusionEngine
+from fusionrag_core.errors import (
+    CacheCorruptError,
+    CacheMismatchError,
+    CacheNotFoundError,
+    ContextLengthError,
+    InvalidRequestError,
+)
+from fusionrag_core.kv import ChunkKV, Variant
+from fusionrag_core.store.base import KVStore, storage_torch_dtype
+
+log = logging.getLogger(__name__)
+
+NeighbourOrder = Literal["similar_last", "similar_first"]
+Primitive = vectordb.Primitive
+
+DOC_ID_KEY = vectordb.DOC_ID_KEY
+CHUNK_INDEX_KEY = "chunk_index"
+OWNERS_KEY = "fusion_docs"
+"""JSON list of the ids of every document containing the chunk, first owner first."""
+OWNER_COUNT_KEY = "fusion_owners"
+"""len(fusion_docs): lets `delete` find shared chunks with a metadata filter instead of a scan."""
+NEIGHBOURS_KEY = "fusion_neighbours"
+"""Space-separated ids of the chunks the fused cache was prefilled after, nearest first."""
+RADIUS_KEY = "fusion_radius"
+"""Cosine distance of the n-th neighbour; a new chunk nearer than this changes the neighbour set."""
+PENDING_KEY = "fusion_pending"
+"""True while the fused cache is out of date."""
+RESERVED_KEYS = frozenset({DOC_ID_KEY, CHUNK_INDEX_KEY, OWNERS_KEY, OWNER_COUNT_KEY, NEIGHBOURS_KEY, RADIUS_KEY,
+                           PENDING_KEY})
+
+# NOTE: cosine distance is at most 2, so this radius admits any chunk: a chunk with fewer than n
+# neighbours takes every new chunk in.
+_OPEN_RADIUS = 3.0
+# NOTE: embeddings of the same text computed in different batches differ in the last float bits;
+# a neighbour must be nearer by more than this to count as a change (no re-fusion flapping).
+_RADIUS_EPS = 1e-5
+_SCAN_PAGE = 1024
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    """How documents are chunked and fused.
+
+    Attributes:
+        chunk_tokens: most tokens of chunk text per chunk (the LLM's tokens).
+        chunk_overlap: most tokens shared by consecutive chunks of a document.
+        neighbors: n, how many most similar other chunks a fused cache is prefilled after.
+        fuse: compute fused caches (False: independent caches only, the CacheBlend/EPIC setting).
+        neighbour_order: "similar_last" puts the most similar neighbour right before the chunk;
+            "similar_first" puts it first, right after the system prefix.
+        batch_size: chunks embedded / added to the vector DB per call (resume granularity too).
+        neighbour_cache_mb: memory for independent caches kept around to fuse with (LRU); the
+            rest is read back from the store.
+    """
+
+    chunk_tokens: int = 256
+    chunk_overlap: int = 0
+    neighbors: int = 10
+    fuse: bool = True
+    neighbour_order: NeighbourOrder = "similar_last"
+    batch_size: int = 32
+    neighbour_cache_mb: int = 1024
+
+    def __post_init__(self) -> None:
+        ChunkingConfig(self.chunk_tokens, self.chunk_overlap)  # NOTE: validates both eagerly.
+        if self.neighbors < 0:
+            raise InvalidRequestError(f"neighbors must be >= 0, got {self.neighbors}")
+        if self.neighbour_order not in ("similar_last", "similar_first"):
+            raise InvalidRequestError(
+                f"neighbour_order must be 'similar_last' or 'similar_first', got {self.neighbour_order!r}"
+            )
+        if self.batch_size < 1 or self.neighbour_cache_mb < 0:
+            raise InvalidRequestError("batch_size must be >= 1 and neighbour_cache_mb >= 0")
+
+    @property
+    def chunking(self) -> ChunkingConfig:
+        return ChunkingConfig(self.chunk_tokens, self.chunk_overlap)
+
+    def identity(self) -> dict[str, Any]:
+        """The settings the stored chunks and caches depend on (recorded in the collection)."""
+        return {
+            "chunk_tokens": self.chunk_tokens,
+            "chunk_overlap": self.chunk_overlap,
+            "neighbors": self.neighbors,
+            "fuse": self.fuse,
+            "neighbour_order": self.neighbour_order,
+        }
+
+
+@dataclass
+class IngestReport:
+    """What one `add_texts` call did.
+
+    Attributes:
+        doc_ids: the documents, in input order.
+        chunk_ids: per document, its chunk ids in order (a chunk occurring twice is listed twice).
+        new_chunks: chunks added to the collection by this call.
+        skipped_chunks: chunks of this call already complete (Chroma entry and caches), no work.
+        refused_chunks: chunks already in the collection that were re-fused because their
+            neighbour set changed (or their fused cache was missing).
+        removed_chunks: chunks deleted because an updated document no longer contains them.
+        prefills: chunk prefills run (independent + fused + re-fused).
+        seconds: wall time of the call.
+    """
+
+    doc_ids: list[str]
+    chunk_ids: list[list[str]]
+    new_chunks: int = 0
+    skipped_chunks: int = 0
+    refused_chunks: int = 0
+    removed_chunks: int = 0
+    prefills: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class VerifyReport:
+    """Agreement between the collection and the KV store.
+
+    Attributes:
+        chunks: Chroma entries checked.
+        blobs: chunk ids with at least one blob in the store (before repair).
+        missing: Chroma ids lacking a needed blob variant.
+        corrupt: blobs that fail their checksum or cannot be read.
+        mismatched: blobs of another model or shape, or whose tokens are not the chunk's text.
+        orphans: store ids without a Chroma entry.
+        textless: Chroma entries without text (cannot be recomputed).
+        stale: fused caches out of date (a neighbour is gone, or marked pending).
+        repaired: whether problems were fixed.
+        recomputed: prefills run by the repair.
+        removed: Chroma entries removed by the repair (the textless ones).
+    """
+
+    chunks: int = 0
+    blobs: int = 0
+    missing: int = 0
+    corrupt: int = 0
+    mismatched: int = 0
+    orphans: int = 0
+    textless: int = 0
+    stale: int = 0
+    repaired: bool = False
+    recomputed: int = 0
+    removed: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing was found wrong."""
+        return not (self.missing or self.corrupt or self.mismatched or self.orphans or self.textless or self.stale)
+
+
+@dataclass
+class _Chunk:
+    """One chunk to ingest: its first occurrence decides its metadata."""
+
+    chunk_id: str
+    text: str
+    doc_id: str
+    index: int
+    metadata: dict[str, Primitive]
+    owners: list[str] = field(default_factory=list)
+    neighbours: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class _Row:
+    """A chunk as the collection holds it."""
+
+    chunk_id: str
+    text: str | None
+    metadata: dict[str, Any]
+    embedding: np.ndarray | None = None
+
+
+class _IndependentCaches:
+    """Independent caches to fuse with: an LRU in memory in front of the store.
+
+    NOTE: kept at the store's precision, so a fused cache is the same whether its neighbours came
+    from memory or from the store (a resumed ingest reproduces an uninterrupted one).
+    """
+
+    def __init__(self, engine: FusionEngine, store: KVStore, budget_bytes: int) -> None:
+        self.engine = engine
+        self.store = store
+        self.budget = budget_bytes
+        self._storage_dtype = storage_torch_dtype(store.storage_dtype)
+        self._lru: OrderedDict[str, ChunkKV] = OrderedDict()
+        self._bytes = 0
+
+    def put(self, chunk_id: str, kv: ChunkKV) -> None:
+        self.store.put(chunk_id, kv)
+        self._remember(chunk_id, kv.to("cpu", self._storage_dtype))
+
+    def get(self, chunk_id: str) -> ChunkKV:
+        """The chunk's independent cache on the engine's device and dtype.
+
+        Raises:
+            CacheNotFoundError / CacheCorruptError / CacheMismatchError: from the store.
+        """
+        kv = self._lru.get(chunk_id)
+        if kv is None:
+            kv = self.store.get(chunk_id, "independent", fingerprint=self.engine.fingerprint,
+                                shape=self.engine.kv_shape, device="cpu", dtype=self._storage_dtype)
+            self._remember(chunk_id, kv)
+        else:
+            self._lru.move_to_end(chunk_id)
+        return kv.to(self.engine.device, self.engine.decoder.dtype)
+
+    def _remember(self, chunk_id: str, kv: ChunkKV) -> None:
+        if kv.nbytes > self.budget:
+            return
+        if chunk_id in self._lru:
+            self._bytes -= self._lru.pop(chunk_id).nbytes
+        self._lru[chunk_id] = kv
+        self._bytes += kv.nbytes
+        while self._bytes > self.budget:
+            self._bytes -= self._lru.popitem(last=False)[1].nbytes
+
+
+def _owners(metadata: Mapping[str, Any]) -> list[str]:
+    raw = metadata.get(OWNERS_KEY)
+    if isinstance(raw, str):
+        return [str(o) for o in json.loads(raw)]
+    return [str(metadata[DOC_ID_KEY])] if DOC_ID_KEY in metadata else []
+
+
+def _ownership(owners: Sequence[str]) -> dict[str, Primitive]:
+    return {DOC_ID_KEY: owners[0], OWNERS_KEY: json.dumps(list(owners)), OWNER_COUNT_KEY: len(owners)}
+
+
+def _fusion_meta(neighbours: Sequence[tuple[str, float]], n: int) -> dict[str, Primitive]:
+    radius = neighbours[-1][1] if len(neighbours) >= n and neighbours else _OPEN_RADIUS
+    return {NEIGHBOURS_KEY: " ".join(cid for cid, _ in neighbours), RADIUS_KEY: float(radius), PENDING_KEY: False}
+
+
+def _neighbour_ids(metadata: Mapping[str, Any]) -> list[str]:
+    return str(metadata.get(NEIGHBOURS_KEY) or "").split()
+
+
+def _normalise(vectors: Sequence[Any]) -> np.ndarray:
+    """`[N, d]` float64 unit rows (cosine similarity becomes a dot product)."""
+    m = np.asarray([np.asarray(v, dtype=np.float64) for v in vectors], dtype=np.float64)
+    if m.size == 0:
+        return m.reshape(0, 0)
+    return m / np.maximum(np.linalg.norm(m, axis=1, keepdims=True), 1e-12)
+
+
+class Ingestor:
+    """Writes chunks into a collection and a KV store, keeping both in agreement.
+
+    Args:
+        engine: computes the caches (its fingerprint and tokenizer define the chunk ids).
+        collection: Chroma collection of chunk texts (from `vectordb.open_collection`).
+        store: where the caches go.
+        config: chunking and fusion settings.
+        embedding_function: the collection's embedding function (embeds new chunks to find
+            their neighbours before they are in the collection).
+
+    Raises:
+        ContextLengthError: n neighbours of `chunk_tokens` plus the chunk do not fit the model.
+    """
+
+    def __init__(
+        self,
+        engine: FusionEngine,
+        collection: Collection,
+        store: KVStore,
+        config: IngestConfig,
+        embedding_function: vectordb.EmbeddingFn,
+    ) -> None:
+        self.engine = engine
+        self.collection = collection
+        self.store = store
+        self.config = config
+        self.embedding_function = embedding_function
+        self.chunker = Chunker(engine.tokenizer, config.chunking)
+        self.caches = _IndependentCaches(engine, store, config.neighbour_cache_mb << 20)
+        self.prefills = 0
+        """Chunk prefills run by this ingestor (independent, fused and re-fused), for reports and tests."""
+        self._check_fits()
+
+    def _check_fits(self) -> None:
+        if not self.config.fuse:
+            return
+        chunk = self.config.chunk_tokens + 4  # NOTE: + the passage separator, with room to spare.
+        prefix = int(self.engine.layout.prefix_ids(self.engine.config.instruction).shape[0])
+        need = prefix + (self.config.neighbors + 1) * chunk
+        if need > self.engine.context_window:
+            raise ContextLengthError(
+                f"a fused prefill of {self.config.neighbors} neighbours + the chunk ({self.config.chunk_tokens} "
+                f"tokens each) needs ~{need} positions, more than the model's {self.engine.context_window}; "
+                "lower IngestConfig.neighbors or chunk_tokens"
+            )
+
+    # ---- add ----------------------------------------------------------------------------------------
+    def add(
+        self,
+        texts: Sequence[str],
+        metadatas: Sequence[Mapping[str, Any] | None] | None = None,
+        doc_ids: Sequence[str] | None = None,
+        *,
+        progress: bool = False,
+    ) -> IngestReport:
+        """Ingest documents (see the module docstring for the order of work). Adding a document
+        id that exists replaces that document: chunks it no longer contains are deleted."""
+        start = time.perf_counter()
+        docs, chunks = self._cut(texts, metadatas, doc_ids)
+        report = IngestReport(doc_ids=list(docs), chunk_ids=[list(ids) for ids in docs.values()])
+        prefills = self.prefills
+
+        present = self._rows(list(chunks))
+        report.removed_chunks = self._settle_ownership(docs, present)
+        new = [c for cid, c in chunks.items() if cid not in present]
+        incomplete = self._incomplete(present)
+        report.skipped_chunks = len(present) - len(incomplete)
+
+        missing_independent = [c for c in new if not self.store.has(c.chunk_id, "independent")]
+        missing_independent += [c for c in incomplete if not self.store.has(c.chunk_id, "independent")]
+        self._independent(missing_independent, progress)
+        if self.config.fuse:
+            self._mark_pending([c.chunk_id for c in incomplete])
+            embeddings = self._embed([c.text for c in new])
+            self._find_neighbours(new, embeddings)
+            self._mark_pending(self._affected_by(new, embeddings))
+        self._add_new(new, progress)
+        report.new_chunks = len(new)
+        report.refused_chunks = self.refuse_pending(progress=progress)
+        self._sweep_orphans()
+        report.prefills = self.prefills - prefills
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _cut(
+        self,
+        texts: Sequence[str],
+        metadatas: Sequence[Mapping[str, Any] | None] | None,
+        doc_ids: Sequence[str] | None,
+    ) -> tuple[dict[str, list[str]], dict[str, _Chunk]]:
+        """Chunk every document: (doc id -> its chunk ids, chunk id -> first occurrence)."""
+        if isinstance(texts, str):
+            raise InvalidRequestError("add_texts takes a list of texts, not one string: wrap it in a list")
+        texts = list(texts)
+        metas = list(metadatas) if metadatas is not None else [None] * len(texts)
+        ids = list(doc_ids) if doc_ids is not None else [hashlib.sha256(t.encode()).hexdigest()[:32] for t in texts]
+        if not len(texts) == len(metas) == len(ids):
+            raise InvalidRequestError(
+                f"got {len(texts)} texts, {len(metas)} metadatas and {len(ids)} doc_ids; pass one of each per text"
+            )
+        docs: dict[str, list[str]] = {}
+        seen_text: dict[str, str] = {}
+        chunks: dict[str, _Chunk] = {}
+        for text, meta, doc_id in zip(texts, metas, ids, strict=True):
+            if not isinstance(doc_id, str) or not doc_id:
+                raise InvalidRequestError(f"doc ids must be non-empty strings, got {doc_id!r}")
+            if not isinstance(text, str) or not text.strip():
+                raise InvalidRequestError(f"document {doc_id!r} has no text; drop it or pass its text")
+            if doc_id in seen_text:
+                if seen_text[doc_id] != text:
+                    raise InvalidRequestError(
+                        f"doc id {doc_id!r} is given twice with different texts; doc ids must be unique"
+                    )
+                continue
+            seen_text[doc_id] = text
+            user_meta = self._check_metadata(doc_id, meta)
+            docs[doc_id] = []
+            for index, piece in enumerate(self.chunker.split(text)):
+                cid = chunk_id(piece, self.engine.fingerprint, self.config.chunking)
+                docs[doc_id].append(cid)
+                chunk = chunks.setdefault(cid, _Chunk(cid, piece, doc_id, index, user_meta))
+                if doc_id not in chunk.owners:
+                    chunk.owners.append(doc_id)
+        return docs, chunks
+
+    @staticmethod
+    def _check_metadata(doc_id: str, metadata: Mapping[str, Any] | None) -> dict[str, Primitive]:
+        # NOTE: checked before any prefill: a bad value found at the Chroma add would leave orphans.
+        out: dict[str, Primitive] = {}
+        for key, value in (metadata or {}).items():
+            if key in RESERVED_KEYS:
+                raise InvalidRequestError(
+                    f"metadata of document {doc_id!r} uses the reserved key {key!r} (FusionRAG bookkeeping: "
+                    f"{sorted(RESERVED_KEYS)}); rename it"
+                )
+            bad_float = isinstance(value, float) and not math.isfinite(value)
+            if not isinstance(key, str) or not isinstance(value, str | int | float | bool) or bad_float:
+                raise InvalidRequestError(
+                    f"metadata of document {doc_id!r} has {key!r}={type(value).__name__}; only finite "
+                    "str/int/float/bool values can be stored in the vector DB"
+                )
+            out[key] = value
+        return out
+
+    def _prefill(self, token_ids: torch.Tensor, neighbours: Sequence[ChunkKV] = ()) -> ChunkKV:
+        self.prefills += 1
+        return self.engine.chunk_cache(token_ids, neighbours)
+
+    def _rows(self, ids: Sequence[str]) -> dict[str, _Row]:
+        """The collection's entries (text, metadata) for `ids`; absent ids are left out."""
+        rows: dict[str, _Row] = {}
+        for start in range(0, len(ids), _SCAN_PAGE):
+            res = self.collection.get(ids=list(ids[start : start + _SCAN_PAGE]), include=["documents", "metadatas"])
+            rows.update(self._to_rows(res))
+        return rows
+
+    @staticmethod
+    def _to_rows(res: Mapping[str, Any]) -> dict[str, _Row]:
+        docs = res.get("documents") or [None] * len(res["ids"])
+        metas = res.get("metadatas") or [None] * len(res["ids"])
+        embs = res.get("embeddings")
+        embs = [None] * len(res["ids"]) if embs is None else embs
+        return {
+            cid: _Row(cid, doc, dict(meta or {}), None if emb is None else np.asarray(emb))
+            for cid, doc, meta, emb in zip(res["ids"], docs, metas, embs, strict=True)
+        }
+
+    def _scan(self, include: Sequence[str], where: Mapping[str, Any] | None = None) -> Iterator[dict[str, _Row]]:
+        """The whole collection (or the `where` part), a page at a time."""
+        offset = 0
+        while True:
+            res = self.collection.get(where=cast(Any, where), include=cast(Any, list(include)), limit=_SCAN_PAGE,
+                                      offset=offset)
+            page = self._to_rows(res)
+            if page:
+                yield page
+            if len(res["ids"]) < _SCAN_PAGE:
+                return
+            offset += len(res["ids"])
+
+    def _settle_ownership(self, docs: Mapping[str, list[str]], present: Mapping[str, _Row]) -> int:
+        """Claim present chunks for the documents that contain them, release (and delete) chunks an
+        updated document no longer contains; returns how many chunks were deleted."""
+        owners: dict[str, list[str]] = {cid: _owners(r.metadata) for cid, r in self._owned_by(list(docs)).items()}
+        owners.update({cid: _owners(r.metadata) for cid, r in present.items() if cid not in owners})
+        before = {cid: list(o) for cid, o in owners.items()}
+        for cid, current in owners.items():
+            for doc_id in docs:
+                if doc_id in current and cid not in docs[doc_id]:
+                    current.remove(doc_id)
+        for doc_id, ids in docs.items():
+            for cid in ids:
+                if cid in owners and doc_id not in owners[cid]:
+                    owners[cid].append(doc_id)
+        released = [cid for cid, o in owners.items() if not o]
+        changed = [cid for cid, o in owners.items() if o and o != before[cid]]
+        if changed:
+            self.collection.update(ids=changed, metadatas=cast(Any, [_ownership(owners[cid]) for cid in changed]))
+        return self._remove(released)
+
+    def _owned_by(self, doc_ids: Sequence[str]) -> dict[str, _Row]:
+        """Chunks (any owner position) of the given documents."""
+        if not doc_ids:
+            return {}
+        where = {"$or": [{DOC_ID_KEY: {"$in": list(doc_ids)}}, {OWNER_COUNT_KEY: {"$gt": 1}}]}
+        wanted = set(doc_ids)
+        out: dict[str, _Row] = {}
+        for page in self._scan(["metadatas"], where):
+            out.update({cid: r for cid, r in page.items() if wanted.intersection(_owners(r.metadata))})
+        return out
+
+    def _incomplete(self, present: Mapping[str, _Row]) -> list[_Chunk]:
+        """Present chunks lacking a blob (a crash between a delete and its cleanup, or manual
+        deletion): their text comes back from the collection."""
+        variants: tuple[Variant, ...] = ("independent", "fused") if self.config.fuse else ("independent",)
+        out = []
+        for cid, row in present.items():
+            if row.text and not all(self.store.has(cid, v) for v in variants):
+                out.append(_Chunk(cid, row.text, _owners(row.metadata)[0], 0, {}))
+        return out
+
+    def _independent(self, chunks: Sequence[_Chunk], progress: bool) -> None:
+        for c in tqdm(chunks, desc="independent caches", unit="chunk", disable=not progress):
+            self.caches.put(c.chunk_id, self._prefill(self.engine.layout.chunk_ids(c.text)))
+
+    def _embed(self, texts: Sequence[str]) -> np.ndarray:
+        """`[N, d]` unit embeddings by the collection's embedding function, in batches."""
+        out: list[Any] = []
+        for start in range(0, len(texts), self.config.batch_size):
+            out.extend(self.embedding_function(list(texts[start : start + self.config.batch_size])))
+        return _normalise(out)
+
+    def _find_neighbours(self, new: Sequence[_Chunk], embeddings: np.ndarray) -> None:
+        """Each new chunk's n nearest other chunks among the collection and the other new chunks."""
+        n = self.config.neighbors
+        if not new or n == 0:
+            return
+        distances = 1.0 - embeddings @ embeddings.T  # [N, N]
+        np.fill_diagonal(distances, np.inf)
+        for i, c in enumerate(new):
+            hits = dict(vectordb.query_neighbours(self.collection, embeddings[i].tolist(), n, exclude_ids=[c.chunk_id]))
+            for j in np.argsort(distances[i], kind="stable")[:n]:
+                if math.isfinite(distances[i, j]):
+                    hits.setdefault(new[j].chunk_id, float(distances[i, j]))
+            c.neighbours = sorted(hits.items(), key=lambda h: (h[1], h[0]))[:n]
+
+    def _affected_by(self, new: Sequence[_Chunk], embeddings: np.ndarray) -> list[str]:
+        """Chunks in the collection whose top-n set gains one of `new` (nearer than their n-th)."""
+        if not new or self.config.neighbors == 0:
+            return []
+        new_ids = [c.chunk_id for c in new]
+        new_set = set(new_ids)
+        affected: list[str] = []
+        for page in self._scan(["embeddings", "metadatas"]):
+            rows = [r for r in page.values() if r.chunk_id not in new_set and r.embedding is not None]
+            if not rows:
+                continue
+            distances = 1.0 - _normalise([r.embedding for r in rows]) @ embeddings.T  # [E, N]
+            for row, dist in zip(rows, distances, strict=True):
+                radius = float(row.metadata.get(RADIUS_KEY, _OPEN_RADIUS))
+                current = set(_neighbour_ids(row.metadata))
+                if any(d < radius - _RADIUS_EPS and cid not in current
+                       for cid, d in zip(new_ids, dist, strict=True)):
+                    affected.append(row.chunk_id)
+        return affected
+
+    def _mark_pending(self, ids: Sequence[str]) -> None:
+        for start in range(0, len(ids), _SCAN_PAGE):
+            batch = list(ids[start : start + _SCAN_PAGE])
+            self.collection.update(ids=batch, metadatas=cast(Any, [{PENDING_KEY: True}] * len(batch)))
+
+    def _add_new(self, new: Sequence[_Chunk], progress: bool) -> None:
+        """Fused caches of new chunks, then their Chroma entries, a batch at a time."""
+        bar = tqdm(total=len(new), desc="fused caches" if self.config.fuse else "indexing", unit="chunk",
+                   disable=not progress)
+        with bar:
+            for start in range(0, len(new), self.config.batch_size):
+                batch = new[start : start + self.config.batch_size]
+                metas: list[dict[str, Primitive]] = []
+                for c in batch:
+                    meta: dict[str, Primitive] = {**c.metadata, DOC_ID_KEY: c.doc_id, CHUNK_INDEX_KEY: c.index,
+                                                  **_ownership(c.owners)}
+                    if self.config.fuse:
+                        if not self.store.has(c.chunk_id, "fused"):
+                            self.store.put(c.chunk_id, self._fused(c.chunk_id, c.text, c.neighbours))
+                        meta.update(_fusion_meta(c.neighbours, self.config.neighbors))
+                    metas.append(meta)
+                    bar.update(1)
+                # NOTE: only now, with every blob of the batch stored, do the chunks become visible.
+                vectordb.add_chunks(self.collection, [c.chunk_id for c in batch], [c.text for c in batch], metas)
+
+    def _fused(self, cid: str, text: str, neighbours: Sequence[tuple[str, float]]) -> ChunkKV:
+        """The chunk's cache prefilled after its neighbours' independent caches (`neighbours` is
+        nearest first; `neighbour_order` decides where the nearest goes)."""
+        ordered = [nid for nid, _ in neighbours]
+        if self.config.neighbour_order == "similar_last":
+            ordered.reverse()
+        if not ordered:
+            # NOTE: a chunk with no other chunk to attend to: its fused cache is its independent one.
+            return replace(self.caches.get(cid), variant="fused")
+        return self._prefill(self.engine.layout.chunk_ids(text), [self._neighbour_cache(nid) for nid in ordered])
+
+    def _neighbour_cache(self, chunk_id: str) -> ChunkKV:
+        try:
+            return self.caches.get(chunk_id)
+        except (CacheNotFoundError, CacheCorruptError, CacheMismatchError) as e:
+            # NOTE: the invariant says a Chroma chunk has its blobs; when it does not, recompute the
+            # cache from the chunk's text (the result is the same cache), rather than fuse without it.
+            row = self._rows([chunk_id]).get(chunk_id)
+            if row is None or not row.text:
+                raise InvalidRequestError(
+                    f"neighbour chunk {chunk_id} has no usable independent cache ({e}) and no text to recompute "
+                    "it from; run FusionIndex.verify(repair=True)"
+                ) from e
+            log.warning("recomputing the independent cache of chunk %s: %s", chunk_id, e)
+            self.caches.put(chunk_id, self._prefill(self.engine.layout.chunk_ids(row.text)))
+            return self.caches.get(chunk_id)
+
+    # ---- re-fusion ----------------------------------------------------------------------------------
+    def refuse_pending(self, *, progress: bool = False) -> int:
+        """Re-fuse every chunk marked pending with its current top-n neighbours; returns how many."""
+        if not self.config.fuse:
+            return 0
+        pending: dict[str, _Row] = {}
+        for page in self._scan(["documents", "metadatas", "embeddings"], {PENDING_KEY: True}):
+            pending.update(page)
+        done = 0
+        for row in tqdm(pending.values(), desc="re-fused caches", unit="chunk", disable=not progress):
+            if not row.text or row.embedding is None:
+                continue  # NOTE: left pending; verify reports (and removes) text-less entries.
+            if not self.store.has(row.chunk_id, "independent"):
+                self.caches.put(row.chunk_id, self._prefill(self.engine.layout.chunk_ids(row.text)))
+            neighbours = vectordb.query_neighbours(self.collection, _normalise([row.embedding])[0].tolist(),
+                                                   self.config.neighbors, exclude_ids=[row.chunk_id])
+            neighbours = sorted(neighbours, key=lambda h: (h[1], h[0]))
+            self.store.put(row.chunk_id, self._fused(row.chunk_id, row.text, neighbours))
+            self.collection.update(ids=[row.chunk_id],
+                                   metadatas=cast(Any, [_fusion_meta(neighbours, self.config.neighbors)]))
+            done += 1
+        return done
+
+    # ---- delete -------------------------------------------------------------------------------------
+    def delete(self, doc_ids: Sequence[str]) -> int:
+        """Remove documents: chunks no other document owns lose their Chroma entry and every blob;
+        chunks fused after them are re-fused. Returns how many chunks were removed."""
+        if isinstance(doc_ids, str):
+            raise InvalidRequestError("delete takes a list of doc ids, not one string: wrap it in a list")
+        gone = set(doc_ids)
+        released: list[str] = []
+        changed: dict[str, list[str]] = {}
+        for cid, row in self._owned_by(list(gone)).items():
+            owners = [o for o in _owners(row.metadata) if o not in gone]
+            if owners:
+                changed[cid] = owners
+            else:
+                released.append(cid)
+        if changed:
+            self.collection.update(ids=list(changed), metadatas=cast(Any, [_ownership(o) for o in changed.values()]))
+        removed = self._remove(released)
+        self.refuse_pending()
+        self._sweep_orphans()
+        return removed
+
+    def _remove(self, chunk_ids: Sequence[str]) -> int:
+        """Delete chunks: mark the chunks fused after them pending, drop the Chroma entries, then
+        the blobs (in that order: a crash leaves orphan blobs, never entries without blobs)."""
+        if not chunk_ids:
+            return 0
+        gone = set(chunk_ids)
+        if self.config.fuse:
+            dependants = [
+                cid
+                for page in self._scan(["metadatas"])
+                for cid, row in page.items()
+                if cid not in gone and gone.intersection(_neighbour_ids(row.metadata))
+            ]
+            self._mark_pending(dependants)
+        vectordb.delete_ids(self.collection, chunk_ids)
+        for cid in chunk_ids:
+            self.store.delete(cid)
+        return len(chunk_ids)
+
+    def _sweep_orphans(self) -> int:
+        """Delete blobs of chunks the collection does not hold (left by a run killed between
+        writing blobs and adding their entries, or between deleting entries and blobs)."""
+        orphans = self.store.list_ids() - vectordb.all_ids(self.collection)
+        for cid in orphans:
+            self.store.delete(cid)
+        if orphans:
+            log.info("deleted %d orphan KV blobs", len(orphans))
+        return len(orphans)
+
+    # ---- verify -------------------------------------------------------------------------------------
+    def verify(self, *, repair: bool = True) -> VerifyReport:
+        """Check every Chroma entry against the store (loading each blob) and vice versa; with
+        `repair`, delete orphans, drop text-less entries, recompute bad caches, re-fuse stale ones."""
+        report = VerifyReport()
+        stored = self.store.list_ids()
+        report.blobs = len(stored)
+        rows: dict[str, _Row] = {}
+        for page in self._scan(["documents", "metadatas"]):
+            rows.update(page)
+        report.chunks = len(rows)
+        orphans = sorted(stored - set(rows))
+        textless = [cid for cid, r in rows.items() if not r.text]
+        report.orphans, report.textless = len(orphans), len(textless)
+
+        bad_independent: list[_Chunk] = []
+        bad_fused: list[str] = []
+        for cid, row in rows.items():
+            if not row.text:
+                continue
+            expected = self.engine.layout.chunk_ids(row.text)
+            for variant in ("independent", "fused") if self.config.fuse else ("independent",):
+                problem = self._check_blob(cid, variant, expected)
+                if problem is None:
+                    continue
+                setattr(report, problem, getattr(report, problem) + 1)
+                if variant == "independent":
+                    bad_independent.append(_Chunk(cid, row.text, "", 0, {}))
+                else:
+                    bad_fused.append(cid)
+        stale = [
+            cid for cid, r in rows.items()
+            if self.config.fuse and r.text and cid not in bad_fused
+            and (r.metadata.get(PENDING_KEY) or any(n not in rows for n in _neighbour_ids(r.metadata)))
+        ]
+        report.stale = len(stale)
+        if not repair or report.ok:
+            return report
+
+        prefills = self.prefills
+        for cid in orphans:
+            self.store.delete(cid)
+        report.removed = self._remove(textless)
+        self._independent(bad_independent, progress=False)
+        self._mark_pending(bad_fused + stale)
+        self.refuse_pending()
+        report.repaired = True
+        report.recomputed = self.prefills - prefills
+        return report
+
+    def _check_blob(self, cid: str, variant: Variant, expected: torch.Tensor) -> str | None:
+        """None if the blob is good, else the VerifyReport field that counts its problem."""
+        try:
+            kv = self.store.get(cid, variant, fingerprint=self.engine.fingerprint, shape=self.engine.kv_shape)
+        except CacheNotFoundError:
+            return "missing"
+        except CacheCorruptError:
+            return "corrupt"
+        except CacheMismatchError:
+            return "mismatched"
+        return None if torch.equal(kv.token_ids, expected) else "mismatched"
+
+
+__all__ = [
+    "CHUNK_INDEX_KEY",
+    "DOC_ID_KEY",
+    "NEIGHBOURS_KEY",
+    "OWNERS_KEY",
+    "PENDING_KEY",
+    "RADIUS_KEY",
+    "IngestConfig",
+    "IngestReport",
+    "Ingestor",
+    "NeighbourOrder",
+    "VerifyReport",
+]

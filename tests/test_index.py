@@ -1,0 +1,145 @@
+"""FusionIndex: open (embedded, Chroma server, Redis), model and settings checks, search and answer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from fusionrag_core.decode import SamplingConfig
+from fusionrag_core.engine import FusionEngine
+from fusionrag_core.errors import CacheMismatchError, InvalidRequestError
+from fusionrag_core.index import FusionIndex
+from fusionrag_core.ingest import IngestConfig
+from fusionrag_core.store import DiskKVStore
+from fusionrag_core.vectordb import all_ids
+from tests.ingest_worker import tiny_engine, tokenizer_dir
+from tests.servers import running_chroma_server, running_redis_server
+
+LIGHTHOUSE = "The Lumen lighthouse on the northern cape was designed by the engineer Ada Vell in 1871."
+BIRTH = "Ada Vell was born in the fishing village of Marrow, where her father repaired nets."
+SALT = "Marrow salt was sold in markets all along the coast and was famous for its pale pink colour."
+CONFIG = IngestConfig(chunk_tokens=48, neighbors=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # NOTE: tiny matrices; a second OpenMP thread only adds synchronisation on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(request: pytest.FixtureRequest) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tokenizer_dir(request.config.cache.mkdir("fusionrag-tokenizer")))
+
+
+@pytest.fixture
+def engine(tokenizer: PreTrainedTokenizerBase) -> FusionEngine:
+    return tiny_engine(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with running_redis_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def chroma_url() -> Iterator[str]:
+    with running_chroma_server() as url:
+        yield url
+
+
+def _answer_round_trip(index: FusionIndex) -> None:
+    """Ingest, answer from stored caches, delete: the path every backend must support."""
+    report = index.add_texts([LIGHTHOUSE, BIRTH, SALT], doc_ids=["lamp", "birth", "salt"])
+    assert report.new_chunks == 3 and len(index) == 3
+    assert index.engine.store is index.store
+
+    generation, hits = index.answer("Who designed the Lumen lighthouse?", k=2,
+                                    sampling=SamplingConfig(max_new_tokens=3))
+    assert [h.chunk_id for h in hits] == [h.chunk_id for h in index.search("Who designed the Lumen lighthouse?", 2)]
+    assert hits[0].text == LIGHTHOUSE and hits[0].metadata["doc_id"] == "lamp"
+    assert generation.cache_misses == {}
+    chunk_tokens = sum(index.engine.layout.chunk_ids(h.text).numel() for h in hits)
+    assert 0.8 * chunk_tokens <= generation.reused_tokens < chunk_tokens, "~15% recomputed, the rest reused"
+    assert generation.kv_bytes_loaded > 0 and len(generation.token_ids) >= 1
+
+    assert index.delete(["lamp", "birth", "salt"]) == 3
+    assert len(index) == 0 and index.store.list_ids() == set()
+
+
+def test_open_embedded_answers_from_stored_caches(engine: FusionEngine, tmp_path: Path) -> None:
+    index = FusionIndex.open(engine, tmp_path, config=CONFIG)
+    assert isinstance(index.store, DiskKVStore)
+    assert index.store.root == tmp_path / "kv" / "fusionrag" and (tmp_path / "chroma").is_dir()
+    prompt = index.prompt_for("Who?", index.search("lighthouse", 1) or [])
+    assert prompt.segments == ()
+    with pytest.raises(InvalidRequestError, match="add_texts first"):
+        index.answer("Who designed the Lumen lighthouse?")
+    _answer_round_trip(index)
+
+
+def test_prompt_for_tags_chunks_with_their_ids(engine: FusionEngine, tmp_path: Path) -> None:
+    index = FusionIndex.open(engine, tmp_path, config=CONFIG)
+    index.add_texts([LIGHTHOUSE, BIRTH])
+    hits = index.search("Where was Ada Vell born?", 2)
+    prompt = index.prompt_for("Where was Ada Vell born?", hits)
+    assert [s.chunk_id for s in prompt.segments] == [h.chunk_id for h in hits]
+    for segment, hit in zip(prompt.segments, hits, strict=True):
+        stored = index.store.get(hit.chunk_id, "fused", fingerprint=engine.fingerprint)
+        assert torch.equal(stored.token_ids, segment.token_ids), "the prompt must hit the cache by id and tokens"
+
+
+def test_reopen_refuses_another_model_and_other_settings(
+    engine: FusionEngine, tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    FusionIndex.open(engine, tmp_path, config=CONFIG).add_texts([LIGHTHOUSE])
+    other = tiny_engine(tokenizer, seed=1)
+    with pytest.raises(CacheMismatchError) as err:
+        FusionIndex.open(other, tmp_path)
+    assert engine.name in str(err.value) and other.name in str(err.value) and "another collection" in str(err.value)
+
+    with pytest.raises(InvalidRequestError, match="ingest settings"):
+        FusionIndex.open(engine, tmp_path, config=replace(CONFIG, neighbour_order="similar_first"))
+    reopened = FusionIndex.open(engine, tmp_path)
+    assert reopened.config.identity() == CONFIG.identity() and len(reopened) == 1
+    # the same directory holds other corpora side by side, each with its own store
+    fresh = FusionIndex.open(other, tmp_path, collection_name="other-model", config=CONFIG)
+    assert len(fresh) == 0 and fresh.store.list_ids() == set()
+
+
+def test_wrong_model_blob_is_refused_at_query_and_repaired_by_verify(engine: FusionEngine, tmp_path: Path) -> None:
+    index = FusionIndex.open(engine, tmp_path, config=CONFIG)
+    index.add_texts([LIGHTHOUSE, BIRTH])
+    (victim,) = [h.chunk_id for h in index.search("lighthouse designed", 1)]
+    good = index.store.get(victim, "fused", fingerprint=engine.fingerprint)
+    index.store.put(victim, replace(good, fingerprint="f" * 32))
+    with pytest.raises(CacheMismatchError, match="re-ingest"):
+        index.answer("Who designed the Lumen lighthouse?", k=1, sampling=SamplingConfig(max_new_tokens=1))
+    report = index.verify()
+    assert report.mismatched == 1 and report.repaired and report.recomputed == 1
+    generation, _ = index.answer("Who designed the Lumen lighthouse?", k=1, sampling=SamplingConfig(max_new_tokens=1))
+    assert generation.cache_misses == {}
+    assert all_ids(index.collection) == index.store.list_ids("fused")
+
+
+@pytest.mark.servers
+def test_open_with_redis_store(engine: FusionEngine, tmp_path: Path, redis_url: str) -> None:
+    index = FusionIndex.open(engine, tmp_path, redis_url=redis_url, collection_name="redis-corpus", config=CONFIG)
+    assert type(index.store).__name__ == "RedisKVStore" and not (tmp_path / "kv").exists()
+    _answer_round_trip(index)
+
+
+@pytest.mark.servers
+def test_open_with_chroma_server(engine: FusionEngine, tmp_path: Path, chroma_url: str) -> None:
+    index = FusionIndex.open(engine, tmp_path, chroma_url=chroma_url, config=CONFIG)
+    assert not (tmp_path / "chroma").exists()
+    _answer_round_trip(index)
