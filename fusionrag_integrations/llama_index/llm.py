@@ -1,0 +1,254 @@
+"""FusionRAGLLM: a LlamaIndex `CustomLLM` backed by a `FusionEngine`.
+
+Prompts arrive flattened (one string, or chat messages). Chunks marked with
+`fusionrag_core.prompt.mark_chunk` inside them are recognised by the core
+(`FusionEngine.prompt_from_messages`) and their stored caches reused; unmarked text is prefilled.
+`FusionChunkMarker` (marking.py) marks retrieved nodes so the standard response synthesizer
+gets reuse; `FusionRAGQueryEngine` builds the canonical prompt directly instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+    TextBlock,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+
+from fusionrag_core.decode import SamplingConfig
+from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
+from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.prompt import MARK_CLOSE, MARK_OPEN, MARK_SEP, FusionPrompt, strip_marks
+from fusionrag_core.store import open_store
+
+_MARK_CHARS = (MARK_OPEN, MARK_SEP, MARK_CLOSE)
+_MARK_DELETE = str.maketrans(dict.fromkeys(_MARK_CHARS))
+
+# Per-call keyword arguments `complete`/`chat` accept (they override the LLM's fields for one call).
+GENERATION_KWARGS = frozenset({"max_new_tokens", "temperature", "top_p", "seed", "stop", "selector", "ratio"})
+
+
+def generation_metadata(generation: Generation) -> dict[str, Any]:
+    """What responses report about a generation: `Generation.stats()` plus the per-chunk cache misses.
+
+    NOTE: JSON-friendly values only (no tensors): this travels in framework metadata.
+    """
+    return {**generation.stats(), "cache_miss_reasons": dict(generation.cache_misses)}
+
+
+class FusionRAGLLM(CustomLLM):
+    """A LlamaIndex LLM that reuses chunk KV caches (FusionRAG) for chunks marked in its prompts.
+
+    The model loads lazily on first use (construction is cheap), or pass a built `engine=`.
+    Responses carry `generation_metadata` (TTFT, reused/recomputed tokens, ...) in
+    `additional_kwargs` and `raw`; when streaming, the last response (empty `delta`) carries it.
+
+    Example:
+        >>> llm = FusionRAGLLM(store="./fusionrag-data/kv")
+        >>> llm.complete("Context: " + mark_chunk(chunk_id, text) + " Question: ...?").text
+    """
+
+    model: str | None = Field(default=None, description="Model to load (None: the packaged SmolLM2-135M-Instruct).")
+    device: str | None = Field(default=None, description="Torch device (None: CUDA if available, else CPU).")
+    dtype: str | None = Field(default=None, description="Torch dtype name (None: bf16 on GPU, fp32 on CPU).")
+    store: str | None = Field(
+        default=None, description="KV store directory or redis:// URL where chunk caches are looked up by chunk id."
+    )
+    max_new_tokens: int = Field(default=64, gt=0, description="Generation budget per call (LLMMetadata.num_output).")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, description="Sampling seed (only matters when temperature > 0).")
+    stop: list[str] = Field(default_factory=list, description="Stop strings (excluded from the text).")
+    selector: str | None = Field(default=None, description="Recompute selector (None: the engine's default).")
+    ratio: float | None = Field(default=None, description="Recompute ratio (None: the engine's default).")
+
+    _engine: FusionEngine | None = PrivateAttr(default=None)
+    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    def __init__(self, *, engine: FusionEngine | None = None, **data: Any) -> None:
+        """Build the LLM; with `engine=`, the model/device/dtype/store fields must stay unset.
+
+        Raises:
+            InvalidRequestError: `engine=` given together with loading options.
+        """
+        loading = sorted(k for k in ("model", "device", "dtype", "store") if data.get(k) is not None)
+        if engine is not None and loading:
+            raise InvalidRequestError(
+                f"FusionRAGLLM got engine= and {', '.join(loading)}=; set the store and model on the engine "
+                "(FusionEngine.from_pretrained(..., store=open_store(...))) or drop engine= to load lazily"
+            )
+        super().__init__(**data)
+        self._engine = engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "fusionrag_llm"
+
+    @property
+    def engine(self) -> FusionEngine:
+        """The engine, loaded on first access (thread-safe)."""
+        with self._lock:
+            if self._engine is None:
+                store = open_store(self.store) if self.store is not None else None
+                self._engine = FusionEngine.from_pretrained(self.model, device=self.device, dtype=self.dtype,
+                                                            store=store)
+            return self._engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        """Context window and model name come from the engine (this loads the model)."""
+        engine = self.engine
+        return LLMMetadata(
+            context_window=engine.context_window,
+            num_output=self.max_new_tokens,
+            model_name=engine.name,
+            # NOTE: a chat model makes `predict` send messages, rendered by the model's own chat template.
+            is_chat_model=engine.layout.has_template,
+        )
+
+    # ---- the engine call shared by every entry point --------------------------------------------
+    def stream_prompt(self, prompt: FusionPrompt, **overrides: Any) -> GenerationStream:
+        """Run a FusionPrompt with this LLM's sampling and selection settings.
+
+        Args:
+            prompt: from `engine.prompt(...)` or `engine.prompt_from_messages(...)`.
+            **overrides: any of `GENERATION_KWARGS`, for this call only.
+
+        Raises:
+            InvalidRequestError: an unknown keyword argument.
+        """
+        unknown = sorted(set(overrides) - GENERATION_KWARGS)
+        if unknown:
+            raise InvalidRequestError(
+                f"FusionRAGLLM does not accept {', '.join(unknown)}; per-call options are {sorted(GENERATION_KWARGS)}"
+            )
+        settings = {**self.model_dump(include=set(GENERATION_KWARGS)), **overrides}
+        sampling = SamplingConfig(
+            max_new_tokens=settings["max_new_tokens"],
+            temperature=settings["temperature"],
+            top_p=settings["top_p"],
+            seed=settings["seed"],
+            stop=tuple(settings["stop"]),
+        )
+        return self.engine.stream(prompt, sampling=sampling, selector=settings["selector"], ratio=settings["ratio"])
+
+    # ---- completion ------------------------------------------------------------------------------
+    def _completion_prompt(self, prompt: str, formatted: bool) -> FusionPrompt:
+        messages: list[dict[str, str]] = []
+        if not formatted:
+            # NOTE: `formatted=True` means LlamaIndex already applied completion_to_prompt/system_prompt.
+            assert self.completion_to_prompt is not None  # NOTE: LLM's validator always sets one.
+            prompt = self.completion_to_prompt(prompt)
+            if self.system_prompt:
+                messages.append({"role": "system", "content": self.system_prompt})
+        messages.append({"role": "user", "content": prompt})
+        for message in messages:
+            _check_marks(message["content"])
+        return self.engine.prompt_from_messages(messages)
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Answer a flattened prompt (sent as one user turn through the chat template)."""
+        generation = self.stream_prompt(self._completion_prompt(prompt, formatted), **kwargs).collect()
+        meta = generation_metadata(generation)
+        return CompletionResponse(text=clean_output(generation.text), additional_kwargs=meta, raw=meta)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        """Like `complete`, streaming: cumulative `text`, new `delta`; the last response carries the stats."""
+        stream = self.stream_prompt(self._completion_prompt(prompt, formatted), **kwargs)
+
+        def gen() -> CompletionResponseGen:
+            for text, delta, meta in _accumulate(stream):
+                yield CompletionResponse(text=text, delta=delta, additional_kwargs=meta, raw=meta or None)
+
+        return gen()
+
+    # ---- chat ------------------------------------------------------------------------------------
+    def _chat_prompt(self, messages: Sequence[ChatMessage]) -> FusionPrompt:
+        return self.engine.prompt_from_messages([_message_dict(m) for m in messages])
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Answer a conversation rendered by the model's chat template; marked chunks are reused."""
+        generation = self.stream_prompt(self._chat_prompt(messages), **kwargs).collect()
+        meta = generation_metadata(generation)
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=clean_output(generation.text)),
+                            additional_kwargs=meta, raw=meta)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        """Like `chat`, streaming: cumulative message content, new `delta`; the last response carries the stats."""
+        stream = self.stream_prompt(self._chat_prompt(messages), **kwargs)
+
+        def gen() -> ChatResponseGen:
+            for text, delta, meta in _accumulate(stream):
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
+                                   additional_kwargs=meta, raw=meta or None)
+
+        return gen()
+
+
+def _message_dict(message: ChatMessage) -> dict[str, str]:
+    """A ChatMessage as the `{"role", "content"}` dict chat templates take.
+
+    Raises:
+        InvalidRequestError: the message holds non-text blocks (images, audio, tool calls...).
+    """
+    others = sorted({type(b).__name__ for b in message.blocks if not isinstance(b, TextBlock)})
+    if others:
+        raise InvalidRequestError(
+            f"a {message.role.value} message holds {', '.join(others)} blocks; FusionRAGLLM is text-only: "
+            "send text content"
+        )
+    content = message.content or ""
+    _check_marks(content)
+    return {"role": message.role.value, "content": content}
+
+
+def _check_marks(text: str) -> None:
+    """Refuse text holding mark characters outside complete `mark_chunk` marks.
+
+    Raises:
+        InvalidRequestError: a broken mark (they would otherwise reach the tokenizer as text).
+    """
+    if any(c in strip_marks(text) for c in _MARK_CHARS):
+        raise InvalidRequestError(
+            "the prompt holds a broken chunk mark (private-use characters U+E000-U+E002 outside a complete mark): "
+            "LlamaIndex cut a marked node, which happens when the retrieved nodes do not fit one prompt; retrieve "
+            "fewer or smaller nodes (similarity_top_k, the splitter's chunk_size), and do not edit marked text"
+        )
+
+
+def clean_output(text: str) -> str:
+    """`text` without the private-use mark characters (a later request would read them as marks).
+
+    NOTE: marks never reach the tokenizer, so a model can only emit these code points on its own.
+    """
+    return text.translate(_MARK_DELETE)
+
+
+def _accumulate(stream: GenerationStream) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """`(text so far, delta, metadata)` per piece, then a final `(text, "", stats)` once the stream ends."""
+    text = ""
+    for piece in stream:
+        delta = clean_output(piece)
+        text += delta
+        yield text, delta, {}
+    assert stream.result is not None  # NOTE: set by GenerationStream when its pieces are exhausted.
+    yield text, "", generation_metadata(stream.result)
+
+
+__all__ = ["GENERATION_KWARGS", "FusionRAGLLM", "clean_output", "generation_metadata"]

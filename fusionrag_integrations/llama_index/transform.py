@@ -1,0 +1,258 @@
+"""FusionKVTransform: an `IngestionPipeline` step that builds the chunks' KV caches (fused).
+
+Place it after the node parser (it caches chunks, not whole documents); before or after the embed
+model. For every node it sees it:
+
+1. names the node by content: `node.id_` becomes the chunk id (`fusionrag_core.chunking.chunk_id`
+   of the node text without metadata), the one key shared by the vector store and the KV store;
+   relationships between the nodes of the batch follow the new ids; a node whose text repeats an
+   earlier node of the batch is dropped (one chunk, one id, one cache);
+2. records the chunk id in bookkeeping metadata that LLM and embedder never see;
+3. stores the chunk's independent cache and, with `fuse`, its fused cache: prefilled after its
+   `neighbors` most similar chunks of the batch (the FusionRAG offline step). Chunks already
+   cached are skipped, so re-running a pipeline costs no model passes.
+
+Caches are computed on `node.get_content(metadata_mode=MetadataMode.NONE)`, the text
+`ChromaVectorStore` stores as the document and `FusionRAGQueryEngine` puts in the prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.schema import BaseNode, Document, MetadataMode, RelatedNodeInfo, TextNode, TransformComponent
+from llama_index.core.utils import get_tqdm_iterable
+
+from fusionrag_core.chunking import ChunkingConfig, chunk_id
+from fusionrag_core.engine import FusionEngine
+from fusionrag_core.errors import ContextLengthError, FusionRAGError, InvalidRequestError
+from fusionrag_core.ingest import RESERVED_KEYS, IngestConfig, NeighbourOrder
+from fusionrag_core.kv import ChunkKV
+from fusionrag_core.store import KVStore
+from fusionrag_integrations.llama_index.embedding import FusionRAGEmbedding
+from fusionrag_integrations.llama_index.llm import FusionRAGLLM
+
+CHUNK_ID_KEY = "fusionrag_chunk_id"
+"""Node metadata key holding the chunk id (equal to the node id); marks nodes this transform cached."""
+BOOKKEEPING_KEYS = RESERVED_KEYS | {CHUNK_ID_KEY}
+"""Metadata keys that are bookkeeping (ours and FusionIndex's), hidden from the LLM and the embedder."""
+
+
+class FusionKVTransform(TransformComponent):
+    """Builds and stores the KV caches of the nodes an `IngestionPipeline` feeds it.
+
+    Fusion follows `fusionrag_core.ingest`: `neighbors`, `fuse` and `neighbour_order` mean what
+    they mean in `IngestConfig`; chunk size and overlap are the node parser's business here.
+
+    Example:
+        >>> pipeline = IngestionPipeline(
+        ...     transformations=[SentenceSplitter(chunk_size=256), FusionKVTransform(llm), FusionRAGEmbedding()],
+        ...     vector_store=ChromaVectorStore(chroma_collection=collection),
+        ... )
+        >>> pipeline.run(documents=documents)
+
+    NOTE: the pipeline's own transformation cache may skip this step on a rerun of the same
+    documents; caches already stored are kept, so that is harmless unless the KV store was emptied
+    (run the pipeline with `disable_cache=True` then).
+    """
+
+    neighbors: int = Field(default=IngestConfig.neighbors, description="How many most similar chunks of the batch "
+                           "a fused cache is prefilled after.")
+    fuse: bool = Field(default=IngestConfig.fuse, description="Build fused caches (else independent ones only).")
+    neighbour_order: NeighbourOrder = Field(default=IngestConfig.neighbour_order,
+                                            description="Where the most similar neighbour goes (see IngestConfig).")
+
+    _engine: FusionEngine | FusionRAGLLM = PrivateAttr()
+    _store: KVStore | None = PrivateAttr(default=None)
+    _embed_model: BaseEmbedding = PrivateAttr()
+
+    def __init__(
+        self,
+        engine: FusionEngine | FusionRAGLLM,
+        *,
+        store: KVStore | None = None,
+        embed_model: BaseEmbedding | None = None,
+        **data: Any,
+    ) -> None:
+        """Build the transform.
+
+        Args:
+            engine: the engine (or a FusionRAGLLM, whose model then loads at the first batch).
+            store: where caches go; default the engine's store. Use one store per vector store
+                collection (a FusionIndex's store is not for this: its `verify` deletes other blobs).
+            embed_model: ranks neighbours of nodes that carry no embedding yet (default
+                FusionRAGEmbedding; put the embed model before this step to embed only once).
+            **data: `neighbors`, `fuse`, `neighbour_order`.
+
+        Raises:
+            InvalidRequestError: invalid fusion settings.
+        """
+        super().__init__(**data)
+        # NOTE: validated by the ingest config they mirror.
+        IngestConfig(neighbors=self.neighbors, fuse=self.fuse, neighbour_order=self.neighbour_order)
+        self._engine = engine
+        self._store = store
+        self._embed_model = embed_model or FusionRAGEmbedding()
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "fusionrag_kv_transform"
+
+    def __getstate__(self) -> dict[Any, Any]:
+        # NOTE: IngestionPipeline(num_workers>1) pickles transformations into worker processes;
+        # a model and a store handle must not travel that way.
+        raise FusionRAGError(
+            "FusionKVTransform cannot be sent to worker processes; run the IngestionPipeline with num_workers=None"
+        )
+
+    @property
+    def engine(self) -> FusionEngine:
+        return self._engine.engine if isinstance(self._engine, FusionRAGLLM) else self._engine
+
+    @property
+    def store(self) -> KVStore:
+        """The KV store caches are written to.
+
+        Raises:
+            InvalidRequestError: neither the transform nor the engine has a store.
+        """
+        store = self._store if self._store is not None else self.engine.store
+        if store is None:
+            raise InvalidRequestError(
+                "FusionKVTransform has no KV store to write caches to; pass store=open_store('./fusionrag-data/kv') "
+                "(and give the query-side FusionRAGLLM the same store)"
+            )
+        return store
+
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        """Rename nodes to their chunk ids, tag them, and store their caches; returns the kept nodes."""
+        engine, store = self.engine, self.store
+        texts = [_chunk_text(node) for node in nodes]
+        kept = _rename(nodes, [chunk_id(text, engine.fingerprint, _CHUNKING) for text in texts])
+        for node in kept:
+            _tag(node)
+        fused = self.fuse and self.neighbors > 0
+        todo = [node for node in kept if not store.has(node.node_id, "fused" if fused else "independent")]
+        progress = bool(kwargs.get("show_progress", False))
+        # NOTE: as ingest does, every chunk also gets its independent cache (the baselines' cache,
+        # the engine's fallback, and what other chunks are fused after).
+        for node in get_tqdm_iterable(todo, progress, "Independent caches"):
+            self._store_independent(node)
+        if not fused:
+            return kept
+        neighbours = self._neighbours(kept, todo)
+        for node in get_tqdm_iterable(todo, progress, "Fusing chunk caches"):
+            store.put(node.node_id, self._fused(node, neighbours[node.node_id]))
+        return kept
+
+    # ---- caches --------------------------------------------------------------------------------------
+    def _store_independent(self, node: BaseNode) -> None:
+        if not self.store.has(node.node_id, "independent"):
+            self.store.put(node.node_id, self.engine.chunk_cache(_chunk_text(node)))
+
+    def _independent(self, node: BaseNode) -> ChunkKV:
+        """The node's independent cache as stored (computed and stored first if missing).
+
+        NOTE: read back from the store, at its precision, as `fusionrag_core.ingest` fuses: a fused
+        cache then does not depend on whether its neighbours were computed in this run.
+        """
+        engine, store = self.engine, self.store
+        self._store_independent(node)
+        return store.get(node.node_id, "independent", fingerprint=engine.fingerprint, shape=engine.kv_shape,
+                         device=engine.device, dtype=engine.decoder.dtype)
+
+    def _fused(self, node: BaseNode, nearest_first: list[BaseNode]) -> ChunkKV:
+        """The node's cache prefilled after its neighbours' independent caches.
+
+        Raises:
+            ContextLengthError: the neighbours and the chunk do not fit the model's context window.
+        """
+        engine = self.engine
+        order = list(reversed(nearest_first)) if self.neighbour_order == "similar_last" else nearest_first
+        if not order:
+            # NOTE: as in ingest: with no other chunk to attend to, the fused cache is the independent one.
+            return replace(self._independent(node), variant="fused")
+        caches = [self._independent(other) for other in order]
+        ids = engine.layout.chunk_ids(_chunk_text(node))
+        need = int(engine.layout.prefix_ids(engine.config.instruction).shape[0]) + int(ids.shape[0])
+        need += sum(kv.num_tokens for kv in caches)
+        if need > engine.context_window:
+            raise ContextLengthError(
+                f"node {node.node_id} fused after {len(caches)} neighbours needs {need} positions, more than the "
+                f"model's {engine.context_window}; lower FusionKVTransform(neighbors=...) or the splitter's chunk_size"
+            )
+        return engine.chunk_cache(ids, caches)
+
+    def _neighbours(self, nodes: list[BaseNode], todo: list[BaseNode]) -> dict[str, list[BaseNode]]:
+        """For each node of `todo`, its `neighbors` most similar other nodes of the batch, nearest first."""
+        vectors: Sequence[Sequence[float] | None] = [node.embedding for node in nodes]
+        if any(v is None for v in vectors):
+            # NOTE: all from one model or none: embeddings of two models are not comparable.
+            vectors = self._embed_model.get_text_embedding_batch([_chunk_text(node) for node in nodes])
+        emb = torch.nn.functional.normalize(torch.tensor(vectors, dtype=torch.float32), dim=-1)  # [N, E]
+        position = {node.node_id: i for i, node in enumerate(nodes)}
+        k = min(self.neighbors, len(nodes) - 1)
+        out: dict[str, list[BaseNode]] = {}
+        for node in todo:
+            i = position[node.node_id]
+            sims = emb @ emb[i]  # [N]
+            sims[i] = float("-inf")
+            out[node.node_id] = [nodes[j] for j in torch.topk(sims, k).indices.tolist()]
+        return out
+
+
+# NOTE: LlamaIndex's node parser, not ours, cut these chunks; the default ChunkingConfig stands in
+# for "chunking settings" in the id, so a text gets the same id here as in a FusionIndex.
+_CHUNKING = ChunkingConfig()
+
+
+def _chunk_text(node: BaseNode) -> str:
+    """The text a node's cache is computed on (no metadata).
+
+    Raises:
+        InvalidRequestError: the node is a whole Document, not a text chunk, or its text is blank.
+    """
+    if isinstance(node, Document) or not isinstance(node, TextNode):
+        raise InvalidRequestError(
+            f"FusionKVTransform got a {type(node).__name__} ({node.node_id}); it caches text chunks: put a node "
+            "parser such as SentenceSplitter(chunk_size=256) before it in the pipeline"
+        )
+    text = node.get_content(metadata_mode=MetadataMode.NONE)
+    if not text.strip():
+        raise InvalidRequestError(
+            f"node {node.node_id} has no text to cache; filter out empty nodes before FusionKVTransform"
+        )
+    return text
+
+
+def _rename(nodes: Sequence[BaseNode], ids: list[str]) -> list[BaseNode]:
+    """Give each node its chunk id, drop repeated chunks, and re-point relationships inside the batch."""
+    renamed = {node.node_id: new for node, new in zip(nodes, ids, strict=True)}
+    kept: dict[str, BaseNode] = {}
+    for node, new in zip(nodes, ids, strict=True):
+        if new in kept:
+            continue
+        node.id_ = new
+        kept[new] = node
+    for node in kept.values():
+        for info in node.relationships.values():
+            for item in info if isinstance(info, list) else [info]:
+                if isinstance(item, RelatedNodeInfo) and item.node_id in renamed:
+                    item.node_id = renamed[item.node_id]
+    return list(kept.values())
+
+
+def _tag(node: BaseNode) -> None:
+    """Record the chunk id in metadata hidden from the LLM and the embedder."""
+    node.metadata[CHUNK_ID_KEY] = node.node_id
+    for excluded in (node.excluded_llm_metadata_keys, node.excluded_embed_metadata_keys):
+        if CHUNK_ID_KEY not in excluded:
+            excluded.append(CHUNK_ID_KEY)
+
+
+__all__ = ["BOOKKEEPING_KEYS", "CHUNK_ID_KEY", "FusionKVTransform"]
