@@ -1,0 +1,453 @@
+"""The benchmark runner: every method on the same rows, through the real ingest path.
+
+One row, top to bottom:
+
+    passages (title + text, cut to `max_passage_tokens` model tokens)
+    -> ingested twice into throwaway FusionIndexes (embedded Chroma + disk KV store):
+       "independent" (fuse=False: what CacheBlend / EPIC precompute) and "fused" (FusionRAG's ingest,
+       every passage fused after its top-n most similar passages of the same row)
+    -> one canonical prompt: ALL passages in dataset order (each tagged with its chunk id), then the question
+    -> every (method, ratio), greedy, in an order rotated from row to row
+    -> per-row results scored against full attention on the same prompt
+
+then `metrics.summarize` aggregates the rows and `report.write_report` writes results.json,
+results.md and the plots.
+
+TTFT is the engine's own `Generation.ttft_s`: it starts before the chunk caches are read from the
+KV store (the engine looks them up by chunk id while stitching), so the store load of the row's
+caches, stitching, selection and the recompute pass are all inside it; full attention's TTFT is
+its plain prefill of the whole prompt. Methods run interleaved within each row, so machine drift
+hits all of them alike, after one untimed warm-up query.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, get_args
+
+from tqdm.auto import tqdm
+
+from fusionrag_core import vectordb
+from fusionrag_core.bench.data import BenchRow, load_rows, passage_text
+from fusionrag_core.bench.metrics import (
+    FULL_ATTENTION,
+    FULL_REUSE,
+    RowResult,
+    first_token_agree,
+    first_token_kl,
+    summarize,
+)
+from fusionrag_core.compat import tokenize_plain
+from fusionrag_core.decode import SamplingConfig
+from fusionrag_core.engine import FusionEngine, Generation
+from fusionrag_core.errors import CacheNotFoundError, ContextLengthError, InvalidRequestError
+from fusionrag_core.index import FusionIndex
+from fusionrag_core.ingest import IngestConfig, NeighbourOrder
+from fusionrag_core.kv import Variant
+from fusionrag_core.select import SelectConfig
+from fusionrag_core.store import StorageDType
+
+#: Stop at the end of the first line: the benchmark scores short answers.
+ANSWER_STOP = ("\n",)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way of answering a prompt.
+
+    Attributes:
+        name: name in results.json.
+        selector: the engine's selector; None = full attention (plain prefill, no cache).
+        variant: which ingest's caches it reuses: "independent" or "fused".
+        recomputes: whether it runs at each recompute ratio (baselines run once, ratio None).
+    """
+
+    name: str
+    selector: str | None
+    variant: Variant | None
+    recomputes: bool
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method(FULL_ATTENTION, None, None, False),
+        Method(FULL_REUSE, "none", "independent", False),
+        Method("cacheblend", "kv_deviation", "independent", True),
+        Method("epic", "first_k", "independent", True),
+        Method("query_guided", "query_guided", "independent", True),
+        Method("fusionrag", "query_guided", "fused", True),
+        Method("random", "random", "independent", True),
+    )
+}
+"""Every method the runner knows, by name."""
+
+DEFAULT_METHODS: tuple[str, ...] = (FULL_ATTENTION, FULL_REUSE, "cacheblend", "epic", "query_guided", "fusionrag")
+DEFAULT_RATIOS: tuple[float, ...] = (0.05, 0.15, 0.3)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run.
+
+    Attributes:
+        data: the JSONL dataset (see `bench.data`).
+        methods: method names from `METHODS`; full attention, the reference of every quality and
+            speed ratio, is always run (added first if missing).
+        ratios: recompute ratios of the methods that recompute.
+        limit: first rows of the dataset to run (None = all).
+        neighbors: n of fused ingest, capped at (passages in the row - 1).
+        neighbour_order: where fused prefill puts the most similar neighbour (see `IngestConfig`).
+        max_passage_tokens: cut each passage to its first N model tokens (None = keep whole).
+        max_new_tokens: answer length limit (greedy; answers also stop at a newline).
+        storage_dtype: dtype of the KV store's blobs (see `fusionrag_core.store.KVStore`).
+        warmup: run one untimed query before the first timed one.
+    """
+
+    data: Path
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    ratios: tuple[float, ...] = DEFAULT_RATIOS
+    limit: int | None = None
+    neighbors: int = 10
+    neighbour_order: NeighbourOrder = "similar_last"
+    max_passage_tokens: int | None = None
+    max_new_tokens: int = 32
+    storage_dtype: StorageDType = "float16"
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            raise InvalidRequestError(
+                f"unknown method(s) {unknown or '(none given)'}; choose from {', '.join(METHODS)}"
+            )
+        if any(METHODS[m].recomputes for m in self.methods) and not self.ratios:
+            raise InvalidRequestError("no recompute ratio given; pass ratios such as 0.05,0.15,0.3")
+        for ratio in self.ratios:
+            SelectConfig(ratio=ratio)  # NOTE: the engine's own range check and message.
+        if len(set(self.ratios)) != len(self.ratios):
+            raise InvalidRequestError(f"recompute ratios repeat: {list(self.ratios)}; list each once")
+        if self.limit is not None and self.limit < 1:
+            raise InvalidRequestError(f"limit must be >= 1 row, got {self.limit}")
+        if self.max_passage_tokens is not None and self.max_passage_tokens < 1:
+            raise InvalidRequestError(f"max_passage_tokens must be >= 1, got {self.max_passage_tokens}")
+        # NOTE: IngestConfig checks neighbors / neighbour_order with its own messages.
+        IngestConfig(neighbors=self.neighbors, neighbour_order=self.neighbour_order)
+        SamplingConfig(max_new_tokens=self.max_new_tokens)
+        if self.storage_dtype not in get_args(StorageDType):
+            raise InvalidRequestError(
+                f"unknown storage dtype {self.storage_dtype!r}; use one of {', '.join(get_args(StorageDType))}"
+            )
+
+    def plan(self) -> list[tuple[Method, float | None]]:
+        """Every (method, ratio) to run on each row, full attention first."""
+        names = [FULL_ATTENTION, *(m for m in self.methods if m != FULL_ATTENTION)]
+        return [
+            (METHODS[name], ratio)
+            for name in names
+            for ratio in (self.ratios if METHODS[name].recomputes else (None,))
+        ]
+
+
+def label(method: str, ratio: float | None) -> str:
+    """`fusionrag@0.15`, or the bare name of a baseline."""
+    return method if ratio is None else f"{method}@{ratio:g}"
+
+
+@dataclass
+class _IngestTotals:
+    """Chunks and seconds of each ingest kind, over all rows."""
+
+    chunks: dict[str, int] = field(default_factory=lambda: {"independent": 0, "fused": 0})
+    seconds: dict[str, float] = field(default_factory=lambda: {"independent": 0.0, "fused": 0.0})
+
+    def summary(self) -> dict[str, float | int | None]:
+        def per_min(kind: str) -> float | None:
+            return 60.0 * self.chunks[kind] / self.seconds[kind] if self.seconds[kind] > 0 else None
+
+        return {
+            "independent_chunks_per_min": per_min("independent"),
+            "fused_chunks_per_min": per_min("fused"),
+            "independent_chunks": self.chunks["independent"],
+            "fused_chunks": self.chunks["fused"],
+            "independent_seconds": self.seconds["independent"],
+            "fused_seconds": self.seconds["fused"],
+        }
+
+
+@dataclass
+class _RowCorpus:
+    """A row's passages as ingested: `(chunk_id, text)` in passage order, and the index of each kind."""
+
+    chunks: list[tuple[str, str]]
+    indexes: dict[Variant, FusionIndex]
+
+
+def run_benchmark(
+    config: BenchConfig,
+    engine: FusionEngine,
+    *,
+    embedding_function: vectordb.EmbeddingFn | None = None,
+    progress: bool = True,
+    command: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Run every method on the dataset's rows; returns the results.json document.
+
+    Args:
+        config: what to run.
+        engine: the model (any FusionEngine: the packaged default, another model, a test model).
+            Its `store` is restored when the run ends.
+        embedding_function: for the per-row Chroma collections (default: the offline MiniLM).
+        progress: show a tqdm bar (one step per row ingest and per query).
+        command: the command line, recorded in the results.
+
+    Returns:
+        `{"model", "dataset", "rows", "results": [per (method, ratio) summary], "ingest", "config",
+        "command", "ttft", "per_row"}` (see `metrics.summarize` for the summary keys).
+
+    Raises:
+        DatasetFormatError: the dataset is missing or malformed.
+        ContextLengthError: a row's prompt does not fit the model (lower `max_passage_tokens`).
+        CacheNotFoundError: a query had to prefill a chunk whose cache ingest should have stored.
+    """
+    rows = load_rows(config.data, config.limit)
+    if not rows:
+        raise InvalidRequestError(f"{config.data} holds no rows; pass a dataset with at least one row")
+    ef = embedding_function if embedding_function is not None else vectordb.default_embedding_function()
+    sampling = SamplingConfig(max_new_tokens=config.max_new_tokens, stop=ANSWER_STOP)
+    plan = config.plan()
+    totals = _IngestTotals()
+    results: list[RowResult] = []
+    per_row: list[dict[str, Any]] = []
+    previous_store = engine.store
+    # NOTE: one step per ingest and per query, so a slow row still shows progress.
+    bar = tqdm(total=len(rows) * (1 + len(plan)), desc="bench", unit="step", disable=not progress)
+    try:
+        with bar, tempfile.TemporaryDirectory(prefix="fusionrag-bench-") as tmp:
+            for i, row in enumerate(rows):
+                row_results, outputs = _run_row(engine, row, i, Path(tmp), config, ef, totals, sampling, bar)
+                results.extend(row_results)
+                per_row.append(outputs)
+    finally:
+        engine.store = previous_store
+    return {
+        "model": engine.name,
+        "model_fingerprint": engine.fingerprint,
+        "device": str(engine.device),
+        "dtype": str(engine.decoder.dtype).removeprefix("torch."),
+        "dataset": str(config.data),
+        "rows": len(rows),
+        "command": list(command) if command is not None else None,
+        "config": {**asdict(config), "data": str(config.data)},
+        "results": summarize(results),
+        "ingest": totals.summary(),
+        "ttft": "engine time to first token; for reuse methods it includes loading the row's chunk caches "
+                "from the KV store, stitching, selection and the recompute pass",
+        "per_row": per_row,
+    }
+
+
+def _run_row(
+    engine: FusionEngine,
+    row: BenchRow,
+    i: int,
+    root: Path,
+    config: BenchConfig,
+    ef: vectordb.EmbeddingFn,
+    totals: _IngestTotals,
+    sampling: SamplingConfig,
+    bar: tqdm[Any],
+) -> tuple[list[RowResult], dict[str, Any]]:
+    """Ingest one row, answer it with every (method, ratio), score it; returns its results and outputs."""
+    plan = config.plan()
+    passages = row_passages(row, engine, config.max_passage_tokens)
+    _check_fits(engine, row, passages, sampling, i)
+    bar.set_postfix_str(f"row {i + 1}: ingest")
+    corpus = _ingest(engine, passages, i, root, config, ef, totals)
+    bar.update(1)
+    try:
+        prompt = engine.prompt(row.question, chunks=corpus.chunks)
+        if i == 0 and config.warmup:
+            _warm_up(engine, prompt, corpus)
+        # NOTE: rotated so no method always runs right after the same other one.
+        shift = i % len(plan)
+        generations: dict[tuple[str, float | None], Generation] = {}
+        for method, ratio in plan[shift:] + plan[:shift]:
+            bar.set_postfix_str(f"row {i + 1}: {label(method.name, ratio)}")
+            generations[(method.name, ratio)] = _answer(engine, prompt, method, ratio, corpus, sampling)
+            bar.update(1)
+    finally:
+        _drop(corpus, root)
+    row_results = _score(row, plan, generations)
+    outputs = {
+        "question": row.question,
+        "answers": list(row.answers),
+        "prompt_tokens": prompt.num_tokens,
+        "outputs": {label(r.method, r.ratio): r.answer for r in row_results},
+    }
+    return row_results, outputs
+
+
+def row_passages(row: BenchRow, engine: FusionEngine, max_tokens: int | None) -> list[str]:
+    """The row's passages as chunk texts: `passage_text(title, text)`, cut to the first
+    `max_tokens` model tokens (decoded back to text), whitespace-trimmed as the chunker trims."""
+    out: list[str] = []
+    for title, text in row.passages:
+        passage = passage_text(title, text)
+        if max_tokens is not None:
+            ids = tokenize_plain(engine.tokenizer, passage)
+            if len(ids) > max_tokens:
+                passage = str(engine.tokenizer.decode(ids[:max_tokens], skip_special_tokens=True))
+        out.append(passage.strip())
+    return out
+
+
+def _check_fits(engine: FusionEngine, row: BenchRow, passages: Sequence[str], sampling: SamplingConfig,
+                index: int) -> None:
+    """Fail before any ingest work if the row's prompt cannot fit the model."""
+    need = engine.prompt(row.question, chunks=list(passages)).num_tokens + sampling.max_new_tokens
+    if need > engine.context_window:
+        raise ContextLengthError(
+            f"row {index}: {len(passages)} passages + question + {sampling.max_new_tokens} answer tokens need {need} "
+            f"positions, more than {engine.name}'s context window of {engine.context_window}; pass "
+            f"--max-passage-tokens {max(1, (engine.context_window - 256) // max(1, len(passages)))} or less"
+        )
+
+
+def _ingest(
+    engine: FusionEngine,
+    passages: Sequence[str],
+    row_index: int,
+    root: Path,
+    config: BenchConfig,
+    ef: vectordb.EmbeddingFn,
+    totals: _IngestTotals,
+) -> _RowCorpus:
+    """Ingest the row's passages into an independent and a fused index of their own."""
+    # NOTE: one chunk per passage: the chunk budget is the longest passage, so no passage is split.
+    chunk_tokens = max(len(tokenize_plain(engine.tokenizer, p)) for p in passages)
+    settings: dict[Variant, IngestConfig] = {
+        "independent": IngestConfig(chunk_tokens=chunk_tokens, neighbors=0, fuse=False),
+        "fused": IngestConfig(chunk_tokens=chunk_tokens, neighbors=min(config.neighbors, len(passages) - 1),
+                              fuse=True, neighbour_order=config.neighbour_order),
+    }
+    indexes: dict[Variant, FusionIndex] = {}
+    chunk_ids: list[str] = []
+    for kind, ingest_config in settings.items():
+        index = FusionIndex.open(engine, root, collection_name=f"row{row_index}-{kind}", config=ingest_config,
+                                 embedding_function=ef, storage_dtype=config.storage_dtype)
+        indexes[kind] = index
+        doc_ids = [f"passage-{j}" for j in range(len(passages))]
+        report = index.add_texts(list(passages), doc_ids=doc_ids)
+        ids = [chunks[0] for chunks in report.chunk_ids]
+        if any(len(chunks) != 1 for chunks in report.chunk_ids):
+            raise InvalidRequestError(
+                f"row {row_index}: a passage was cut into several chunks ({[len(c) for c in report.chunk_ids]}); "
+                "the benchmark needs one chunk per passage (this is a bug in the chunk budget)"
+            )
+        if chunk_ids and ids != chunk_ids:
+            raise InvalidRequestError(f"row {row_index}: the {kind} ingest named the passages' chunks differently")
+        chunk_ids = ids
+        totals.chunks[kind] += report.new_chunks
+        totals.seconds[kind] += report.seconds
+    _check_caches(indexes, chunk_ids, row_index)
+    texts = _chunk_texts(indexes["fused"], chunk_ids)
+    return _RowCorpus([(cid, texts[cid]) for cid in chunk_ids], indexes)
+
+
+def _check_caches(indexes: dict[Variant, FusionIndex], chunk_ids: Sequence[str], row_index: int) -> None:
+    # NOTE: the engine falls back from a missing fused cache to the independent one without a
+    # miss; a benchmark must not silently measure the wrong cache.
+    for kind, index in indexes.items():
+        missing = sorted(set(chunk_ids) - index.store.list_ids(kind))
+        if missing:
+            raise CacheNotFoundError(
+                f"row {row_index}: the {kind} ingest stored no {kind} cache for chunk(s) {missing}; "
+                "the benchmark cannot measure that method (check the ingest log)"
+            )
+
+
+def _chunk_texts(index: FusionIndex, chunk_ids: Sequence[str]) -> dict[str, str]:
+    """Chunk texts as the collection holds them (what a retriever would hand the prompt)."""
+    res = index.collection.get(ids=list(dict.fromkeys(chunk_ids)), include=["documents"])
+    documents = res["documents"] or []
+    return {cid: str(doc) for cid, doc in zip(res["ids"], documents, strict=True)}
+
+
+def _warm_up(engine: FusionEngine, prompt: Any, corpus: _RowCorpus) -> None:
+    """One untimed query of each kind (plain prefill, cache reuse): first calls pay one-time costs."""
+    short = SamplingConfig(max_new_tokens=2)
+    engine.full_attention(prompt, sampling=short).collect()
+    engine.store = corpus.indexes["fused"].store
+    engine.generate(prompt, sampling=short, selector="query_guided", variant="fused")
+
+
+def _answer(
+    engine: FusionEngine,
+    prompt: Any,
+    method: Method,
+    ratio: float | None,
+    corpus: _RowCorpus,
+    sampling: SamplingConfig,
+) -> Generation:
+    """One method's answer; caches are read from the store of the method's ingest kind."""
+    if method.selector is None:
+        return engine.full_attention(prompt, sampling=sampling).collect()
+    assert method.variant is not None  # NOTE: every reuse method names its cache variant.
+    engine.store = corpus.indexes[method.variant].store
+    generation = engine.generate(prompt, sampling=sampling, selector=method.selector, ratio=ratio,
+                                 variant=method.variant)
+    if generation.cache_misses:
+        raise CacheNotFoundError(
+            f"{label(method.name, ratio)} prefilled chunks instead of reusing their caches: {generation.cache_misses}"
+        )
+    return generation
+
+
+def _score(
+    row: BenchRow, plan: Sequence[tuple[Method, float | None]], generations: dict[tuple[str, float | None], Generation]
+) -> list[RowResult]:
+    """Per-method results of one row, against full attention on the same prompt (in plan order)."""
+    reference = generations[(FULL_ATTENTION, None)]
+    out = []
+    for method, ratio in plan:
+        g = generations[(method.name, ratio)]
+        out.append(RowResult(
+            method=method.name,
+            ratio=ratio,
+            answer=g.text.strip(),
+            golds=list(row.answers),
+            reference_answer=reference.text.strip(),
+            kl_first_token=first_token_kl(reference.first_token_logits, g.first_token_logits),
+            first_token_agree=first_token_agree(reference.first_token_logits, g.first_token_logits),
+            ttft_s=g.ttft_s,
+            recomputed_fraction=g.recomputed_fraction,
+            kv_bytes_loaded=g.kv_bytes_loaded,
+        ))
+    return out
+
+
+def _drop(corpus: _RowCorpus, root: Path) -> None:
+    """Delete the row's collections and KV stores (a full run would otherwise keep gigabytes)."""
+    for index in corpus.indexes.values():
+        name = index.collection.name
+        index.store.close()
+        client = vectordb.open_client(vectordb.VectorDBConfig(path=str(root / "chroma"), collection=name))
+        client.delete_collection(name)
+        shutil.rmtree(root / "kv" / name, ignore_errors=True)
+
+
+__all__ = [
+    "DEFAULT_METHODS",
+    "DEFAULT_RATIOS",
+    "METHODS",
+    "BenchConfig",
+    "Method",
+    "label",
+    "row_passages",
+    "run_benchmark",
+]

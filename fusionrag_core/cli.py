@@ -1,0 +1,581 @@
+"""The `fusionrag` command: demo, ingest, ask, verify and bench.
+
+    fusionrag demo                                  # sample corpus, FusionRAG vs full attention
+    fusionrag ingest docs/ notes.md                 # chunk, cache (independent + fused), index
+    fusionrag ask "Who designed the lighthouse?"    # stream an answer from the stored caches
+    fusionrag verify --no-repair                    # Chroma <-> KV store consistency
+    fusionrag bench --data musique_dev.jsonl        # every method, results.json/.md + plots
+
+Global options (--db, --model, ...) may come before or after the subcommand. Errors the package
+raises on purpose (FusionRAGError and its subclasses) print as one line on stderr, exit code 2.
+
+NOTE: heavy modules (torch, transformers, chromadb) are imported inside the commands, so `--help`
+and argument errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from fusionrag_core.errors import FusionRAGError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from fusionrag_core.engine import FusionEngine, Generation
+    from fusionrag_core.index import FusionIndex
+    from fusionrag_core.ingest import IngestConfig
+    from fusionrag_core.vectordb import RetrievedChunk
+
+PROG = "fusionrag"
+TEXT_SUFFIXES = (".txt", ".md", ".markdown")
+PDF_SUFFIX = ".pdf"
+SELECTOR_NAMES = "query_guided (FusionRAG), kv_deviation (CacheBlend), first_k (EPIC), random, none, all"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Which model to load, as the global options name it."""
+
+    model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+
+
+EngineFactory = Callable[[EngineSpec], "FusionEngine"]
+
+
+def load_engine(spec: EngineSpec) -> FusionEngine:
+    """The default engine factory: `FusionEngine.from_pretrained` with the spec's model, device, dtype."""
+    from fusionrag_core.engine import FusionEngine
+
+    return FusionEngine.from_pretrained(spec.model, device=spec.device, dtype=spec.dtype)
+
+
+def main(argv: Sequence[str] | None = None, *, engine_factory: EngineFactory | None = None) -> int:
+    """Run the `fusionrag` command; returns the exit code.
+
+    Args:
+        argv: the arguments (default `sys.argv[1:]`).
+        engine_factory: builds the engine from the global model options (tests pass a small model).
+
+    Returns:
+        0 on success; 1 when `verify` finds problems it did not repair; 2 on a usage error or a
+        FusionRAGError (printed as one line on stderr); 130 when interrupted.
+    """
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as e:  # NOTE: --help (0) and usage errors (2) end here, as numbers.
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
+    factory = engine_factory or load_engine
+    spec = EngineSpec(args.model, args.device, args.dtype)
+    try:
+        code: int = args.handler(args, lambda: factory(spec), args_list)
+        return code
+    except (FusionRAGError, OSError) as e:  # NOTE: OSError: unreadable files, a --db that cannot be written...
+        _fail(e)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    return 2
+
+
+def _fail(error: BaseException) -> None:
+    message = " ".join(str(error).split())
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+# ---- parser ---------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (`fusionrag bench: error: ... (see fusionrag bench --help)`), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _ratio_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers such as 0.05,0.15,0.3, got {text!r}"
+        ) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
+    """The options every subcommand shares. On subcommands their default is SUPPRESS, so a value
+    given after the subcommand overrides the main parser's, and an absent one leaves it alone."""
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if suppress else value
+
+    group = parser.add_argument_group("global options")
+    group.add_argument("--db", default=default("./fusionrag-data"), metavar="DIR",
+                       help="data directory: chroma/ and kv/ live here (default: ./fusionrag-data)")
+    group.add_argument("--collection", default=default("fusionrag"), metavar="NAME",
+                       help="Chroma collection, one corpus (default: fusionrag)")
+    group.add_argument("--model", default=default(None), metavar="M",
+                       help='packaged alias ("smollm2-135m" default, "gemma3-270m"), a .gguf file or a model directory')
+    group.add_argument("--device", default=default(None), help="cpu, cuda, cuda:1 ... (default: CUDA if available)")
+    group.add_argument("--dtype", default=default(None),
+                       help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
+    group.add_argument("--chroma-url", default=default(None), metavar="URL",
+                       help="Chroma server, e.g. http://127.0.0.1:8000 (default: embedded database under --db)")
+    group.add_argument("--redis-url", default=default(None), metavar="URL",
+                       help="Redis KV store, e.g. redis://127.0.0.1:6379/0 (default: disk store under --db)")
+    group.add_argument("--selector", default=default(None),
+                       help=f"which chunk tokens to recompute: {SELECTOR_NAMES} (default: query_guided)")
+    group.add_argument("--ratio", type=float, default=default(None),
+                       help="fraction of reused chunk tokens to recompute (default: 0.15)")
+    group.add_argument("-k", type=_positive_int, default=default(4),
+                       help="chunks to retrieve per question (default: 4)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `fusionrag` and its subcommands."""
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(
+        prog=PROG,
+        description="FusionRAG: RAG that reuses precomputed, fused chunk KV caches and recomputes only the "
+                    "~15% of chunk tokens the question attends to most.",
+        epilog=textwrap.dedent("""\
+            examples:
+              fusionrag demo                                 ingest the sample corpus, compare with full attention
+              fusionrag ingest docs/ notes.md                folders and .txt/.md files (.pdf with pypdf)
+              fusionrag ask "Who designed the lighthouse?"   stream an answer, then TTFT and reuse statistics
+              fusionrag verify --no-repair                   check Chroma and the KV store agree
+              fusionrag bench --data musique_dev.jsonl --limit 10 --out bench/
+              fusionrag --db /data/rag --model gemma3-270m ask "..."
+            """),
+        formatter_class=formatter,
+    )
+    _global_options(parser, suppress=False)
+    shared = _Parser(add_help=False)
+    _global_options(shared, suppress=True)
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+
+    demo = commands.add_parser(
+        "demo", parents=[shared], formatter_class=formatter,
+        help="ingest the packaged sample corpus and answer its questions (FusionRAG vs full attention)",
+        description="Ingest the packaged sample corpus (a fictional harbour town, 7 documents) into --db, then "
+                    "answer its two-hop questions through the LangChain chain, with FusionRAG and with full "
+                    "attention, and print answers, TTFT and speedup side by side.",
+        epilog="example:\n  fusionrag demo --questions 3",
+    )
+    demo.add_argument("--questions", type=_positive_int, default=None, metavar="N",
+                      help="answer only the first N sample questions (default: all)")
+    demo.add_argument("--max-tokens", type=_positive_int, default=32, help="answer length limit (default: 32)")
+    demo.set_defaults(handler=cmd_demo)
+
+    ingest = commands.add_parser(
+        "ingest", parents=[shared], formatter_class=formatter,
+        help="add .txt/.md files or folders (and .pdf with pypdf) to the index",
+        description="Chunk documents, precompute each chunk's independent and fused KV caches, and add the chunks "
+                    "to Chroma. A file ingested again replaces its previous version; unchanged chunks are skipped.",
+        epilog="examples:\n  fusionrag ingest docs/\n  fusionrag --db /data/rag ingest a.md b.txt --neighbors 5",
+    )
+    ingest.add_argument("paths", nargs="+", metavar="PATH", help="files or folders (searched recursively)")
+    ingest.add_argument("--chunk-tokens", type=_positive_int, help="most model tokens per chunk (new index: 256)")
+    ingest.add_argument("--chunk-overlap", type=int, help="tokens shared by consecutive chunks (new index: 0)")
+    ingest.add_argument("--neighbors", type=int,
+                        help="similar chunks each fused cache is prefilled after (new index: 10)")
+    ingest.add_argument("--no-fuse", action="store_true", help="independent caches only (the CacheBlend/EPIC setting)")
+    ingest.add_argument("--quiet", action="store_true", help="no progress bars")
+    ingest.set_defaults(handler=cmd_ingest)
+
+    ask = commands.add_parser(
+        "ask", parents=[shared], formatter_class=formatter,
+        help="answer a question from the index, streaming, then print TTFT and reuse statistics",
+        description="Retrieve the -k most similar chunks, reuse their stored caches (recomputing --ratio of their "
+                    "tokens, chosen by --selector) and stream the answer.",
+        epilog='examples:\n  fusionrag ask "Who designed the Lumen Lighthouse?"\n'
+               '  fusionrag ask "..." -k 6 --ratio 0.3\n  fusionrag ask "..." --full-attention',
+    )
+    ask.add_argument("question", help="the question (quote it)")
+    ask.add_argument("--max-tokens", type=_positive_int, default=128, help="answer length limit (default: 128)")
+    ask.add_argument("--full-attention", action="store_true",
+                     help="answer with a plain prefill of the whole prompt instead (the baseline; reuses nothing)")
+    ask.set_defaults(handler=cmd_ask)
+
+    verify = commands.add_parser(
+        "verify", parents=[shared], formatter_class=formatter,
+        help="check that Chroma and the KV store agree, and repair what does not",
+        description="Load every cache the collection needs and look for missing, corrupt, mismatched, orphan and "
+                    "stale ones. Exit code 1 when problems remain (with --no-repair). Do not run it while an "
+                    "ingest writes to the same index.",
+        epilog="examples:\n  fusionrag verify\n  fusionrag verify --no-repair",
+    )
+    verify.add_argument("--repair", action=argparse.BooleanOptionalAction, default=True,
+                        help="recompute bad caches, delete orphans, re-fuse stale caches (default: --repair)")
+    verify.set_defaults(handler=cmd_verify)
+
+    bench = commands.add_parser(
+        "bench", parents=[shared], formatter_class=formatter,
+        help="quality and TTFT of every method on a QA dataset: results.json, results.md, plots",
+        description="For each row, ingest its passages (independent and fused caches), ask its question with all "
+                    "passages in order, and answer with every method (greedy, interleaved per row). Writes "
+                    "results.json, results.md, quality.png and ttft.png into --out.",
+        epilog="examples:\n"
+               "  fusionrag bench --data ../shared/datasets/musique_dev.jsonl --limit 20 --max-passage-tokens 200\n"
+               "  fusionrag bench --data rows.jsonl --methods full_attention full_reuse fusionrag --ratios 0.15\n"
+               "  fusionrag --model gemma3-270m bench --data rows.jsonl --neighbors 5 --neighbour-order similar_first",
+    )
+    bench.add_argument("--data", required=True, metavar="FILE.jsonl",
+                       help='rows of {"question", "answers", "passages": [{"title", "text"}]}')
+    bench.add_argument("--methods", nargs="+", metavar="METHOD",
+                       help="full_attention, full_reuse, cacheblend, epic, query_guided, fusionrag, random "
+                            "(default: all but random; full_attention always runs)")
+    bench.add_argument("--ratios", type=_ratio_list, default=(0.05, 0.15, 0.3),
+                       help="recompute ratios, comma-separated (default: 0.05,0.15,0.3)")
+    bench.add_argument("--limit", type=_positive_int, help="first N rows (default: all)")
+    bench.add_argument("--neighbors", type=int, default=10,
+                       help="n of fused ingest, capped at passages-1 (default: 10)")
+    bench.add_argument("--neighbour-order", choices=("similar_last", "similar_first"), default="similar_last",
+                       help="where the most similar neighbour goes in a fused prefill (default: similar_last)")
+    bench.add_argument("--max-passage-tokens", type=_positive_int, metavar="N",
+                       help="cut each passage to its first N model tokens (default: whole passages)")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=32, help="answer length limit (default: 32)")
+    bench.add_argument("--storage-dtype", choices=("float16", "bfloat16", "float32"), default="float16",
+                       help="dtype of stored caches (default: float16)")
+    bench.add_argument("--out", default="./bench-results", metavar="DIR",
+                       help="output directory (default: ./bench-results)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(handler=cmd_bench)
+    return parser
+
+
+# ---- shared helpers -------------------------------------------------------------------------------
+def _where(args: argparse.Namespace) -> str:
+    return f"collection {args.collection!r} of {args.chroma_url or args.db}"
+
+
+def _require_index(args: argparse.Namespace) -> None:
+    """Fail fast (before loading a model) when there is no index to read."""
+    if args.chroma_url is None and not (Path(args.db).expanduser() / "chroma").is_dir():
+        raise InvalidRequestError(
+            f"no index in {args.db}: run `{PROG} ingest PATH...` (or `{PROG} demo`) first, or pass --db DIR"
+        )
+
+
+def _open_index(args: argparse.Namespace, engine: FusionEngine, config: IngestConfig | None = None) -> FusionIndex:
+    from fusionrag_core.index import FusionIndex
+
+    return FusionIndex.open(engine, Path(args.db).expanduser(), chroma_url=args.chroma_url, redis_url=args.redis_url,
+                            collection_name=args.collection, config=config)
+
+
+def _source(chunk: RetrievedChunk) -> str:
+    meta = chunk.metadata
+    name = meta.get("source", meta.get("doc_id", chunk.chunk_id))
+    return f"{name} #{meta['chunk_index']}" if "chunk_index" in meta else str(name)
+
+
+def _stats_line(g: Generation) -> str:
+    how = "full attention" if g.selector == "full_attention" else (
+        g.selector if g.ratio is None else f"{g.selector} @ ratio {g.ratio:g}")
+    return (
+        f"TTFT {g.ttft_s:.3f} s (total {g.total_s:.2f} s) | {how} | prompt {g.prompt_tokens} tokens | "
+        f"chunk tokens reused {g.reused_tokens}, recomputed {g.recomputed_tokens} "
+        f"({100 * g.recomputed_fraction:.1f}%) | "
+        f"KV loaded {g.kv_bytes_loaded / 1e6:.1f} MB | cache misses {len(g.cache_misses)}"
+    )
+
+
+# ---- ingest ---------------------------------------------------------------------------------------
+def _pdf_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("pypdf") is not None
+
+
+def collect_files(paths: Sequence[str]) -> list[Path]:
+    """The documents named by `paths`: files as given, folders searched recursively for .txt/.md (and
+    .pdf when pypdf is installed), sorted, each once.
+
+    Raises:
+        InvalidRequestError: a path does not exist, a file has an unsupported type, or nothing was found.
+    """
+    found: list[Path] = []
+    skipped_pdfs = 0
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            for f in sorted(p for p in path.rglob("*") if p.is_file()):
+                suffix = f.suffix.lower()
+                if suffix == PDF_SUFFIX and not _pdf_available():
+                    skipped_pdfs += 1
+                elif suffix in (*TEXT_SUFFIXES, PDF_SUFFIX):
+                    found.append(f)
+        elif path.is_file():
+            if path.suffix.lower() not in (*TEXT_SUFFIXES, PDF_SUFFIX):
+                raise InvalidRequestError(
+                    f"{path}: unsupported file type {path.suffix or '(none)'!r}; ingest .txt or .md files "
+                    "(or .pdf with pypdf installed)"
+                )
+            found.append(path)
+        else:
+            raise InvalidRequestError(f"{path} does not exist; pass existing files or folders")
+    if skipped_pdfs:
+        print(f"{PROG}: skipping {skipped_pdfs} .pdf file(s): pip install pypdf to ingest PDFs", file=sys.stderr)
+    unique = list(dict.fromkeys(p.resolve() for p in found))
+    if not unique:
+        raise InvalidRequestError(f"no .txt or .md files found in {', '.join(paths)}")
+    return unique
+
+
+def read_document(path: Path) -> str:
+    """The text of a .txt/.md (UTF-8) or .pdf file.
+
+    Raises:
+        InvalidRequestError: the file is not UTF-8 text, or is a PDF and pypdf is missing or fails.
+    """
+    if path.suffix.lower() == PDF_SUFFIX:
+        return _pdf_text(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(f"{path} is not UTF-8 text ({e.reason}); convert it to UTF-8 first") from e
+
+
+def _pdf_text(path: Path) -> str:
+    try:
+        from pypdf import PdfReader
+        from pypdf.errors import PyPdfError
+    except ImportError as e:
+        raise InvalidRequestError(f"{path}: reading PDF files needs pypdf: pip install pypdf") from e
+    try:
+        reader = PdfReader(path)
+        return "\n\n".join(page.extract_text() or "" for page in reader.pages)
+    except PyPdfError as e:
+        raise InvalidRequestError(f"{path}: cannot read this PDF ({e}); export it as text and ingest that") from e
+
+
+def _ingest_config(args: argparse.Namespace) -> IngestConfig | None:
+    """The settings named on the command line, or None to use the collection's own (or the defaults)."""
+    given: dict[str, Any] = {
+        name: value
+        for name, value in (("chunk_tokens", args.chunk_tokens), ("chunk_overlap", args.chunk_overlap),
+                            ("neighbors", args.neighbors), ("fuse", False if args.no_fuse else None))
+        if value is not None
+    }
+    if not given:
+        return None
+    from fusionrag_core.ingest import IngestConfig
+
+    return IngestConfig(**given)
+
+
+def cmd_ingest(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
+    """`fusionrag ingest PATH...`."""
+    docs: list[tuple[Path, str]] = []
+    for path in collect_files(args.paths):
+        text = read_document(path)
+        if text.strip():
+            docs.append((path, text))
+        else:
+            print(f"{PROG}: skipping {path}: no text", file=sys.stderr)
+    if not docs:
+        raise InvalidRequestError("every file given is empty; nothing to ingest")
+    config = _ingest_config(args)
+    index = _open_index(args, engine(), config)
+    report = index.add_texts(
+        [text for _, text in docs],
+        metadatas=[{"source": str(path)} for path, _ in docs],
+        doc_ids=[str(path) for path, _ in docs],  # NOTE: resolved paths: ingesting a file again replaces it.
+        progress=not args.quiet,
+    )
+    print(
+        f"ingested {len(docs)} document(s) into {_where(args)}: {report.new_chunks} new chunk(s), "
+        f"{report.skipped_chunks} already indexed, {report.refused_chunks} re-fused, {report.removed_chunks} removed, "
+        f"in {report.seconds:.1f} s ({len(index)} chunks in the index)"
+    )
+    return 0
+
+
+# ---- ask ------------------------------------------------------------------------------------------
+def cmd_ask(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
+    """`fusionrag ask QUESTION`: stream the answer, then statistics and sources."""
+    from fusionrag_core.decode import SamplingConfig
+
+    if not args.question.strip():
+        raise InvalidRequestError("the question is empty; pass it in quotes: fusionrag ask \"...\"")
+    _require_index(args)
+    index = _open_index(args, engine())
+    hits = index.search(args.question, args.k)
+    if not hits:
+        raise InvalidRequestError(f"{_where(args)} holds no chunks; run `{PROG} ingest PATH...` first")
+    prompt = index.prompt_for(args.question, hits)
+    sampling = SamplingConfig(max_new_tokens=args.max_tokens)
+    if args.full_attention:
+        stream = index.engine.full_attention(prompt, sampling=sampling)
+    else:
+        stream = index.engine.stream(prompt, sampling=sampling, selector=args.selector, ratio=args.ratio)
+    for piece in stream:
+        print(piece, end="", flush=True)
+    assert stream.result is not None  # NOTE: set once the stream is exhausted.
+    print("\n")
+    print(_stats_line(stream.result))
+    print("sources: " + "; ".join(f"[{i}] {_source(h)} (score {h.score:.2f})" for i, h in enumerate(hits, 1)))
+    return 0
+
+
+# ---- verify ---------------------------------------------------------------------------------------
+def cmd_verify(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
+    """`fusionrag verify`: 0 if consistent (or repaired), 1 if problems remain."""
+    _require_index(args)
+    index = _open_index(args, engine())
+    report = index.verify(repair=args.repair)
+    print(f"{_where(args)}: {report.chunks} chunk(s) in Chroma, {report.blobs} with caches in {index.store!r}")
+    if report.ok:
+        print("OK: every chunk has its caches, and every cache its chunk")
+        return 0
+    problems = {name: getattr(report, name) for name in ("missing", "corrupt", "mismatched", "orphans", "textless",
+                                                           "stale")}
+    print("found: " + ", ".join(f"{count} {name}" for name, count in problems.items() if count))
+    if report.repaired:
+        print(f"repaired: {report.recomputed} cache(s) recomputed, {report.removed} text-less entr(y/ies) removed")
+        return 0
+    print(f"not repaired; run `{PROG} verify --repair` to fix")
+    return 1
+
+
+# ---- bench ----------------------------------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
+    """`fusionrag bench --data FILE`: run the benchmark, write the report, print the table."""
+    from fusionrag_core.bench.data import load_rows
+    from fusionrag_core.bench.report import table, write_report
+    from fusionrag_core.bench.runner import DEFAULT_METHODS, BenchConfig, run_benchmark
+
+    methods = tuple(m for item in args.methods for m in item.split(",") if m) if args.methods else DEFAULT_METHODS
+    config = BenchConfig(
+        data=Path(args.data).expanduser(),
+        methods=methods,
+        ratios=args.ratios,
+        limit=args.limit,
+        neighbors=args.neighbors,
+        neighbour_order=args.neighbour_order,
+        max_passage_tokens=args.max_passage_tokens,
+        max_new_tokens=args.max_new_tokens,
+        storage_dtype=args.storage_dtype,
+    )
+    load_rows(config.data, 1)  # NOTE: a missing or malformed dataset fails before the model loads.
+    results = run_benchmark(config, engine(), progress=not args.no_progress, command=[PROG, *argv])
+    paths = write_report(results, args.out)
+    print(table(results["results"]))
+    ingest = results["ingest"]
+    print(f"ingest: independent {ingest['independent_chunks_per_min'] or 0:.1f} chunks/min, "
+          f"fused {ingest['fused_chunks_per_min'] or 0:.1f} chunks/min")
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+# ---- demo -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _DemoRow:
+    question: str
+    gold: str
+    fusion: tuple[str, float]
+    full: tuple[str, float]
+
+
+def cmd_demo(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
+    """`fusionrag demo`: ingest the sample corpus, answer its questions with FusionRAG and full attention."""
+    from tqdm.auto import tqdm
+
+    from fusionrag_core.data import load_sample_questions, sample_corpus_dir
+
+    chains = _langchain()
+    files = sorted(sample_corpus_dir().glob("*.md"))
+    questions = load_sample_questions()[: args.questions]
+    index = _open_index(args, engine())
+    print(f"Ingesting the sample corpus ({len(files)} documents about a fictional harbour town) into {_where(args)}")
+    report = index.add_texts([f.read_text(encoding="utf-8") for f in files],
+                             metadatas=[{"source": f.name} for f in files],
+                             doc_ids=[f"fusionrag-sample/{f.name}" for f in files], progress=True)
+    print(f"  {report.new_chunks} new chunk(s), {report.skipped_chunks} already there, in {report.seconds:.1f} s\n")
+
+    retriever, fusion, full = chains(index, args)
+    # NOTE: untimed warm-up: the first generation of a process pays one-time costs.
+    first = retriever.invoke(questions[0].question)
+    full.invoke({"question": questions[0].question, "documents": first}, max_tokens=1)
+    print(f"Answering {len(questions)} two-hop question(s) through the LangChain chain, k={args.k}:")
+    rows = []
+    for q in tqdm(questions, desc="questions", unit="question", leave=False):
+        docs = retriever.invoke(q.question)
+        request = {"question": q.question, "documents": docs}
+        answers = [chain.invoke(request) for chain in (fusion, full)]
+        fused, plain = ((str(a.content).strip(), float(a.response_metadata["ttft_s"])) for a in answers)
+        rows.append(_DemoRow(q.question, q.answer, fused, plain))
+    print(_demo_table(rows))
+    return 0
+
+
+def _langchain() -> Callable[[FusionIndex, argparse.Namespace], tuple[Any, Any, Any]]:
+    """A builder of (retriever, FusionRAG chain, full-attention chain) from the LangChain integration."""
+    try:
+        from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGChain, FusionRAGRetriever
+    except ImportError as e:
+        raise InvalidRequestError(
+            f"the demo runs through LangChain, which is not installed ({e}); pip install 'fusionrag[langchain]'"
+        ) from e
+
+    def build(index: FusionIndex, args: argparse.Namespace) -> tuple[Any, Any, Any]:
+        options: dict[str, Any] = {"index": index, "max_tokens": args.max_tokens, "stop": ["\n"]}
+        fusion = ChatFusionRAG(**options, selector=args.selector, ratio=args.ratio)
+        full = ChatFusionRAG(**options, full_attention=True)
+        return FusionRAGRetriever(index=index, k=args.k), FusionRAGChain(llm=fusion), FusionRAGChain(llm=full)
+
+    return build
+
+
+def _demo_table(rows: Sequence[_DemoRow]) -> str:
+    """Per question: the question and gold answer, then both answers with their TTFT and the speedup;
+    a check mark where the gold answer is in the answer."""
+    from fusionrag_core.bench.metrics import median, normalize_answer
+
+    def found(gold: str, answer: str) -> bool:
+        return normalize_answer(gold) in normalize_answer(answer)
+
+    def cell(answer: str, gold: str, seconds: float) -> str:
+        text = textwrap.shorten(answer or "(empty)", 28, placeholder="…")
+        return f"{'✓' if found(gold, answer) else ' '} {text:<28} {seconds:>6.2f}s"
+
+    head = f"{'#':>2}  {'FusionRAG':<30} {'TTFT':>7}  {'full attention':<30} {'TTFT':>7}  {'speedup':>7}"
+    lines = ["", head, "-" * len(head)]
+    for i, r in enumerate(rows, 1):
+        lines.append(f"{i:>2}  {textwrap.shorten(r.question, 70, placeholder='…')}  (gold: {r.gold})")
+        lines.append(f"    {cell(r.fusion[0], r.gold, r.fusion[1])}  {cell(r.full[0], r.gold, r.full[1])}  "
+                     f"{r.full[1] / r.fusion[1]:>6.1f}x")
+    fused_ttft, full_ttft = median([r.fusion[1] for r in rows]), median([r.full[1] for r in rows])
+    fused_hits = sum(found(r.gold, r.fusion[0]) for r in rows)
+    full_hits = sum(found(r.gold, r.full[0]) for r in rows)
+    lines += [
+        "-" * len(head),
+        f"median TTFT: FusionRAG {fused_ttft:.2f} s, full attention {full_ttft:.2f} s ({full_ttft / fused_ttft:.1f}x "
+        "faster)",
+        f"gold answer in the answer (✓): FusionRAG {fused_hits}/{len(rows)}, full attention {full_hits}/{len(rows)}",
+    ]
+    return "\n".join(lines)
+
+
+__all__ = ["EngineFactory", "EngineSpec", "build_parser", "collect_files", "load_engine", "main", "read_document"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

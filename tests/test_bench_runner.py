@@ -1,0 +1,152 @@
+"""Benchmark runner end to end on a tiny random Llama (real tokenizer, real ingest path), and its report."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from fusionrag_core.bench.data import DatasetFormatError, load_rows
+from fusionrag_core.bench.report import load_results, markdown, write_report
+from fusionrag_core.bench.runner import DEFAULT_METHODS, METHODS, BenchConfig, label, row_passages, run_benchmark
+from fusionrag_core.compat import tokenize_plain
+from fusionrag_core.engine import FusionEngine
+from fusionrag_core.errors import ContextLengthError, InvalidRequestError
+from tests.ingest_worker import tiny_engine, tokenizer_dir
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "musique_dev.jsonl"
+RATIOS = (0.15, 0.5)
+SUMMARY_KEYS = {
+    "method", "ratio", "f1", "em", "normalized_f1", "kl_first_token", "first_token_agreement",
+    "f1_vs_full_attention", "ttft_median_s", "ttft_ratio_vs_full_attention", "recomputed_fraction",
+    "kv_bytes_loaded",
+}
+
+pytestmark = pytest.mark.skipif(not DATA.is_file(), reason=f"benchmark dataset not found at {DATA}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # NOTE: tiny matrices; a second OpenMP thread only adds synchronisation on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def engine(request: pytest.FixtureRequest) -> FusionEngine:
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(request.config.cache.mkdir("fusionrag-tokenizer")))
+    return tiny_engine(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def run(engine: FusionEngine, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """One small benchmark (2 rows, 40-token passages, every method) and its written report."""
+    config = BenchConfig(data=DATA, limit=2, ratios=RATIOS, max_passage_tokens=40, max_new_tokens=4, neighbors=10)
+    results = run_benchmark(config, engine, progress=False, command=["fusionrag", "bench", "--limit", "2"])
+    out = tmp_path_factory.mktemp("bench")
+    write_report(results, out)
+    return results, out
+
+
+def test_results_cover_every_method_and_ratio(run: tuple[dict[str, Any], Path]) -> None:
+    results, _ = run
+    expected = {(m, None if not METHODS[m].recomputes else r) for m in DEFAULT_METHODS for r in RATIOS}
+    got = {(s["method"], s["ratio"]) for s in results["results"]}
+    assert got == expected
+    assert results["rows"] == 2 and len(results["per_row"]) == 2
+    for summary in results["results"]:
+        assert set(summary) >= SUMMARY_KEYS
+        for key in SUMMARY_KEYS - {"method", "ratio", "normalized_f1"}:
+            assert math.isfinite(summary[key]), (summary["method"], key, summary[key])
+    for row in results["per_row"]:
+        assert set(row["outputs"]) == {label(m, r) for m, r in expected}
+
+
+def test_full_attention_is_the_reference(run: tuple[dict[str, Any], Path]) -> None:
+    by_key = {(s["method"], s["ratio"]): s for s in run[0]["results"]}
+    fa = by_key[("full_attention", None)]
+    assert fa["ttft_ratio_vs_full_attention"] == 1.0
+    assert fa["kl_first_token"] == 0.0 and fa["first_token_agreement"] == 1.0 and fa["f1_vs_full_attention"] == 1.0
+    assert fa["recomputed_fraction"] == 1.0 and fa["kv_bytes_loaded"] == 0
+    # every reuse method really reused caches loaded from the store
+    for (method, ratio), s in by_key.items():
+        if method == "full_attention":
+            continue
+        assert s["kv_bytes_loaded"] > 0, method
+        if ratio is None:
+            assert s["recomputed_fraction"] == 0.0, method
+        else:
+            assert 0.0 < s["recomputed_fraction"] <= ratio + 0.05, (method, ratio, s["recomputed_fraction"])
+
+
+def test_fused_caches_differ_from_independent_ones(run: tuple[dict[str, Any], Path]) -> None:
+    """FusionRAG and query_guided share the selector; only the ingest differs, so their logits must differ."""
+    by_key = {(s["method"], s["ratio"]): s for s in run[0]["results"]}
+    assert by_key[("fusionrag", 0.15)]["kl_first_token"] != by_key[("query_guided", 0.15)]["kl_first_token"]
+    ingest = run[0]["ingest"]
+    assert ingest["independent_chunks"] == ingest["fused_chunks"] == 20  # 2 rows x 10 passages
+    assert ingest["independent_chunks_per_min"] > 0 and ingest["fused_chunks_per_min"] > 0
+
+
+def test_report_files(run: tuple[dict[str, Any], Path]) -> None:
+    results, out = run
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["results"] == results["results"] and saved["command"] == ["fusionrag", "bench", "--limit", "2"]
+    assert load_results(out / "results.json")["model"] == results["model"]
+    md = (out / "results.md").read_text()
+    assert md == markdown(results)
+    # header + separator + one line per (method, ratio)
+    assert sum(line.startswith("| ") for line in md.splitlines()) == 1 + len(results["results"])
+    assert "| fusionrag | 0.15 |" in md and "chunks/min" in md
+    for png in ("quality.png", "ttft.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_passages_are_truncated_with_the_model_tokenizer(engine: FusionEngine) -> None:
+    row = load_rows(DATA, 1)[0]
+    cut = row_passages(row, engine, 40)
+    whole = row_passages(row, engine, None)
+    assert len(cut) == len(row.passages) == len(whole)
+    for short, full in zip(cut, whole, strict=True):
+        assert full.startswith(short) and len(short) < len(full)
+        assert len(tokenize_plain(engine.tokenizer, short)) <= 42  # re-tokenising may merge differently
+
+
+def test_a_row_too_long_for_the_model_is_refused_before_ingest(engine: FusionEngine) -> None:
+    # 10 whole MuSiQue passages (~6K tokens) exceed the tiny model's 2048 positions
+    with pytest.raises(ContextLengthError, match="--max-passage-tokens"):
+        run_benchmark(BenchConfig(data=DATA, limit=1), engine, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"methods": ("fusionrag", "nope")}, "unknown method"),
+        ({"ratios": (1.5,)}, "ratio"),
+        ({"ratios": ()}, "no recompute ratio"),
+        ({"limit": 0}, "limit"),
+        ({"neighbour_order": "random"}, "neighbour_order"),
+        ({"max_passage_tokens": 0}, "max_passage_tokens"),
+    ],
+)
+def test_bad_configs_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(InvalidRequestError, match=match):
+        BenchConfig(data=DATA, **kwargs)
+
+
+def test_missing_dataset(engine: FusionEngine, tmp_path: Path) -> None:
+    with pytest.raises(DatasetFormatError, match="not found"):
+        run_benchmark(BenchConfig(data=tmp_path / "none.jsonl"), engine, progress=False)
+
+
+def test_full_attention_always_runs_first() -> None:
+    plan = BenchConfig(data=DATA, methods=("fusionrag",), ratios=(0.1, 0.2)).plan()
+    assert [(m.name, r) for m, r in plan] == [("full_attention", None), ("fusionrag", 0.1), ("fusionrag", 0.2)]

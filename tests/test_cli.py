@@ -1,0 +1,258 @@
+"""The `fusionrag` command: help, one-line errors with exit code 2, ingest/ask/verify/bench/demo end to end.
+
+Commands run through `main(argv, engine_factory=...)` with a tiny random Llama (the real SmolLM2
+tokenizer), so no test loads the real model; one test runs the installed entry point in a
+subprocess to see what a shell sees.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+from fusionrag_core.cli import EngineSpec, build_parser, main
+from fusionrag_core.engine import FusionEngine
+from tests.ingest_worker import tokenizer_dir
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "musique_dev.jsonl"
+COMMANDS = ("demo", "ingest", "ask", "verify", "bench")
+LIGHTHOUSE = "The Lumen lighthouse on the northern cape was designed by the engineer Ada Vell in 1871."
+BIRTH = "Ada Vell was born in the fishing village of Marrow, where her father repaired nets."
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # NOTE: tiny matrices; a second OpenMP thread only adds synchronisation on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(request: pytest.FixtureRequest) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tokenizer_dir(request.config.cache.mkdir("fusionrag-tokenizer")))
+
+
+class TinyEngines:
+    """An engine factory for `main`: a 2-layer random Llama per seed (4096 positions, enough for the
+    default ingest settings), built once; records the specs it was asked for."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.specs: list[EngineSpec] = []
+        self._engine: FusionEngine | None = None
+
+    def __call__(self, spec: EngineSpec) -> FusionEngine:
+        self.specs.append(spec)
+        if self._engine is None:
+            config = LlamaConfig(vocab_size=len(self.tokenizer), hidden_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                                 max_position_embeddings=4096)
+            torch.manual_seed(self.seed)
+            self._engine = FusionEngine(LlamaForCausalLM(config).eval(), self.tokenizer, name=f"tiny-{self.seed}")
+        self._engine.store = None
+        return self._engine
+
+
+@pytest.fixture(scope="module")
+def engines(tokenizer: PreTrainedTokenizerBase) -> TinyEngines:
+    return TinyEngines(tokenizer)
+
+
+def _one_line_error(err: str, *needles: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("fusionrag") and "error:" in lines[0], err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+# ---- help and usage errors ------------------------------------------------------------------------
+def test_help_of_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: fusionrag") and all(c in out for c in COMMANDS) and "examples:" in out
+    for command in COMMANDS:
+        assert main([command, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: fusionrag {command}") and "example" in out and "--db" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        ([], "COMMAND"),
+        (["ask"], "question"),
+        (["bench"], "--data"),
+        (["bench", "--data", "x.jsonl", "--ratios", "a,b"], "comma-separated"),
+        (["bench", "--data", "x.jsonl", "--limit", "0"], "--limit"),
+        (["-k", "0", "ask", "q"], "-k"),
+        (["frobnicate"], "frobnicate"),
+        (["bench", "--data", "x.jsonl", "--neighbour-order", "sideways"], "sideways"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    _one_line_error(capsys.readouterr().err, needle)
+
+
+def test_errors_fail_fast_before_loading_a_model(
+    engines: TinyEngines, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    loads = len(engines.specs)
+    (tmp_path / "report.docx").write_text("x")
+    cases = [
+        (["ingest", str(tmp_path / "missing.md")], "does not exist"),
+        (["ingest", str(tmp_path / "report.docx")], "unsupported file type"),
+        (["--db", str(tmp_path / "nothing"), "ask", "Who?"], "no index"),
+        (["--db", str(tmp_path / "nothing"), "verify"], "no index"),
+        (["bench", "--data", str(tmp_path / "none.jsonl")], "not found"),
+        (["bench", "--data", str(DATA), "--methods", "fusionrag,nope"], "unknown method"),
+        (["bench", "--data", str(DATA), "--ratios", "1.5"], "ratio"),
+    ]
+    for argv, needle in cases:
+        assert main(argv, engine_factory=engines) == 2, argv
+        _one_line_error(capsys.readouterr().err, needle)
+    assert len(engines.specs) == loads, "a model was loaded for a request that could not succeed"
+
+
+def test_entry_point_in_a_subprocess(tmp_path: Path) -> None:
+    """What a shell sees: exit code 2 and one line on stderr, no traceback."""
+    script = "import sys; from fusionrag_core.cli import main; sys.exit(main())"
+    run = subprocess.run([sys.executable, "-c", script, "ingest", str(tmp_path / "nope.md")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    _one_line_error(run.stderr, "does not exist")
+
+
+def test_pdf_without_pypdf(
+    engines: TinyEngines, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "pypdf", None)  # NOTE: makes `import pypdf` fail as if not installed.
+    (tmp_path / "paper.pdf").write_bytes(b"%PDF-1.4\n")
+    assert main(["ingest", str(tmp_path / "paper.pdf")], engine_factory=engines) == 2
+    _one_line_error(capsys.readouterr().err, "pip install pypdf")
+
+
+# ---- a corpus end to end --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "nested").mkdir()
+    (root / "lighthouse.md").write_text(f"# The lighthouse\n\n{LIGHTHOUSE}\n")
+    (root / "nested" / "vell.txt").write_text(BIRTH)
+    (root / "nested" / "empty.md").write_text("  \n")
+    (root / "image.png").write_bytes(b"\x89PNG")
+    return root
+
+
+def test_ingest_ask_verify(
+    engines: TinyEngines, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = ["--db", str(tmp_path / "db")]
+    assert main([*db, "--model", "tiny", "ingest", str(corpus), "--quiet", "--chunk-tokens", "64"],
+                engine_factory=engines) == 0
+    captured = capsys.readouterr()
+    assert "ingested 2 document(s)" in captured.out and "2 new chunk(s)" in captured.out
+    assert "empty.md" in captured.err  # skipped, and said so
+    assert engines.specs[-1] == EngineSpec(model="tiny")
+
+    # the same files again: nothing new (the collection's own settings are used without options)
+    assert main([*db, "ingest", str(corpus), "--quiet"], engine_factory=engines) == 0
+    assert "0 new chunk(s), 2 already indexed" in capsys.readouterr().out
+
+    # global options may follow the subcommand
+    assert main(["ask", "Who designed the Lumen lighthouse?", "--max-tokens", "3", "-k", "2", *db],
+                engine_factory=engines) == 0
+    out = capsys.readouterr().out
+    assert "TTFT" in out and "cache misses 0" in out and "query_guided @ ratio 0.15" in out
+    assert "sources: [1] " in out and "[3]" not in out and "lighthouse.md" in out
+
+    assert main([*db, "--selector", "none", "ask", "Where was Ada Vell born?", "--max-tokens", "2"],
+                engine_factory=engines) == 0
+    assert "recomputed 0 (0.0%)" in capsys.readouterr().out
+    assert main([*db, "ask", "Where was Ada Vell born?", "--max-tokens", "2", "--full-attention"],
+                engine_factory=engines) == 0
+    assert "full attention" in capsys.readouterr().out
+
+    assert main([*db, "verify"], engine_factory=engines) == 0
+    assert "OK" in capsys.readouterr().out
+
+    # lose a cache: found without repair (exit 1), then repaired
+    blob = next((tmp_path / "db" / "kv" / "fusionrag").rglob("*.safetensors"))
+    blob.unlink()
+    assert main([*db, "verify", "--no-repair"], engine_factory=engines) == 1
+    assert "1 missing" in capsys.readouterr().out
+    assert main([*db, "verify"], engine_factory=engines) == 0
+    assert "repaired" in capsys.readouterr().out
+    assert main([*db, "verify", "--no-repair"], engine_factory=engines) == 0
+    assert "OK" in capsys.readouterr().out
+
+
+def test_core_errors_are_one_line_exit_2(
+    engines: TinyEngines, tokenizer: PreTrainedTokenizerBase, corpus: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    db = ["--db", str(tmp_path / "db")]
+    assert main([*db, "ingest", str(corpus / "lighthouse.md"), "--quiet"], engine_factory=engines) == 0
+    capsys.readouterr()
+    # another model cannot read this index (CacheMismatchError from the core)
+    assert main([*db, "ask", "Who?"], engine_factory=TinyEngines(tokenizer, seed=1)) == 2
+    _one_line_error(capsys.readouterr().err, "was built with model")
+    # settings that differ from the collection's (InvalidRequestError)
+    assert main([*db, "ingest", str(corpus / "lighthouse.md"), "--neighbors", "3"], engine_factory=engines) == 2
+    _one_line_error(capsys.readouterr().err, "ingest settings")
+    assert main([*db, "--selector", "best", "ask", "Who?"], engine_factory=engines) == 2
+    _one_line_error(capsys.readouterr().err, "unknown selector")
+
+
+@pytest.mark.skipif(not DATA.is_file(), reason=f"benchmark dataset not found at {DATA}")
+def test_bench_command(engines: TinyEngines, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench"
+    argv = ["bench", "--data", str(DATA), "--limit", "1", "--max-passage-tokens", "20", "--methods", "full_reuse",
+            "fusionrag", "--ratios", "0.2", "--neighbors", "3", "--max-new-tokens", "2", "--out", str(out),
+            "--no-progress"]
+    assert main(argv, engine_factory=engines) == 0
+    printed = capsys.readouterr().out
+    assert "| fusionrag | 0.2 |" in printed and "| full_attention |" in printed and "chunks/min" in printed
+    assert {p.name for p in out.iterdir()} == {"results.json", "results.md", "quality.png", "ttft.png"}
+    results = (out / "results.json").read_text()
+    assert '"neighbors": 3' in results and '"--neighbors"' in results  # the config and the command line
+
+
+def test_demo(engines: TinyEngines, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("langchain_core")
+    assert main(["--db", str(tmp_path / "db"), "demo", "--questions", "2", "--max-tokens", "3"],
+                engine_factory=engines) == 0
+    out = capsys.readouterr().out
+    assert "Ingesting the sample corpus (7 documents" in out
+    table = out[out.index(" #  FusionRAG"):].splitlines()
+    assert "full attention" in table[0] and "speedup" in table[0] and table[1].startswith("---")
+    assert table[2].startswith(" 1  In which town") and "(gold: Marrow)" in table[2]
+    assert table[3].endswith("x") and table[4].startswith(" 2  ") and table[6].startswith("---")
+    assert "median TTFT: FusionRAG" in table[7]
+    assert max(len(line) for line in table) <= 100, "fits a terminal"
+
+
+def test_demo_without_langchain(
+    engines: TinyEngines, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "fusionrag_integrations.langchain", None)
+    loads = len(engines.specs)
+    assert main(["--db", str(tmp_path / "db"), "demo"], engine_factory=engines) == 2
+    _one_line_error(capsys.readouterr().err, "fusionrag[langchain]")
+    assert len(engines.specs) == loads
+
+
+def test_parser_is_usable_as_a_library() -> None:
+    args = build_parser().parse_args(["bench", "--data", "d.jsonl", "--ratios", "0.1,0.2", "--model", "gemma3-270m"])
+    assert args.ratios == (0.1, 0.2) and args.model == "gemma3-270m" and args.db == "./fusionrag-data"
