@@ -1,0 +1,252 @@
+"""How a LangChain model binds to a FusionEngine: the fields ChatFusionRAG and FusionRAGLLM share.
+
+A model is described by cheap fields (model id, data directory, sampling and selection knobs) and
+resolved to a `FusionEngine` on first use, so constructing one never loads weights. Its KV store is
+pointed at by `engine.store` for each request (as `FusionIndex.answer` does): that is where the
+engine looks chunk caches up by chunk id.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from fusionrag_core.decode import SamplingConfig
+from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
+from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.index import FusionIndex
+from fusionrag_core.kv import Variant
+from fusionrag_core.model import DEFAULT_MODEL
+from fusionrag_core.prompt import FusionPrompt
+from fusionrag_core.select import SelectConfig, get_selector
+from fusionrag_core.store import DiskKVStore, KVStore
+from fusionrag_integrations.langchain.messages import clean_output
+
+PROVIDER = "fusionrag"
+DEFAULT_DATA_DIR = "./fusionrag-data"
+DEFAULT_COLLECTION = "fusionrag"
+
+# Per-call keyword arguments a FusionRAG model accepts (`model.invoke(..., max_tokens=8)`).
+CALL_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "seed", "selector", "ratio", "variant"})
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Everything one request passes to the engine besides its prompt.
+
+    Attributes:
+        sampling: max_new_tokens, temperature, top_p, seed and stop strings.
+        selector: which chunk tokens to recompute; None means the engine's configured default.
+        ratio: recompute ratio; None means the engine's configured default.
+        variant: preferred stored cache variant; None means the engine's configured default.
+        full_attention: run the plain-prefill baseline instead (no cache is reused).
+    """
+
+    sampling: SamplingConfig
+    selector: str | None
+    ratio: float | None
+    variant: Variant | None
+    full_attention: bool = False
+
+    def stream(self, engine: FusionEngine, prompt: FusionPrompt) -> GenerationStream:
+        """Start generating `prompt` on `engine` with these options."""
+        if self.full_attention:
+            return engine.full_attention(prompt, sampling=self.sampling)
+        return engine.stream(prompt, sampling=self.sampling, selector=self.selector, ratio=self.ratio,
+                             variant=self.variant)
+
+
+class FusionRAGModelFields(BaseModel):
+    """Fields and engine binding shared by `ChatFusionRAG` and `FusionRAGLLM`.
+
+    Where engine and caches come from, in order: `index` (its engine and KV store); `engine` (an
+    already loaded FusionEngine) with `store`, or with the engine's own store when `store` is None;
+    else `model` is loaded on first use and reads `store`, or the disk store that
+    `FusionIndex.open(data_dir, collection_name=...)` writes.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    model: str | None = None
+    """Model to load on first use: a packaged alias ("smollm2-135m", "gemma3-270m"), a .gguf file, a
+    local directory or an HF id. None: the packaged default (SmolLM2-135M-Instruct)."""
+    engine: FusionEngine | None = Field(default=None, exclude=True, repr=False)
+    """An already loaded engine (shared with an index, a benchmark or other models)."""
+    index: FusionIndex | None = Field(default=None, exclude=True, repr=False)
+    """A FusionIndex: its engine answers and its KV store supplies the caches."""
+    store: KVStore | None = Field(default=None, exclude=True, repr=False)
+    """KV store of chunk caches (e.g. `fusionrag_core.store.open_store(...)`)."""
+    data_dir: str = DEFAULT_DATA_DIR
+    """Data directory of `FusionIndex.open`; its disk KV store is read when nothing else names one."""
+    collection_name: str = DEFAULT_COLLECTION
+    """Collection whose disk KV store under `data_dir` is read (`FusionIndex.open(collection_name=...)`)."""
+    device: str | None = None
+    """Device to load `model` on (default CUDA if available, else CPU)."""
+    dtype: str | None = None
+    """dtype to load `model` in (default bf16 on GPU, fp32 on CPU)."""
+
+    max_tokens: int = 256
+    """Most tokens to generate."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy (reproducible)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    seed: int | None = None
+    """Seed of the sampler (only matters when temperature > 0)."""
+    stop: list[str] | None = None
+    """Stop strings; a per-call `stop` replaces them."""
+    selector: str | None = None
+    """Which chunk tokens to recompute: "query_guided" (FusionRAG), "kv_deviation" (CacheBlend),
+    "first_k" (EPIC), "random", "none" (full reuse), "all"; None: the engine's default."""
+    ratio: float | None = None
+    """Fraction of reused chunk tokens to recompute (None: the engine's default, 0.15)."""
+    variant: Variant | None = None
+    """Stored cache variant to prefer: "fused" or "independent" (None: the engine's default)."""
+    full_attention: bool = False
+    """Answer with a plain prefill of the whole prompt, reusing no cache (the baseline to compare with)."""
+
+    _loaded: tuple[FusionEngine, KVStore | None] | None = PrivateAttr(default=None)
+    _load_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    @model_validator(mode="after")
+    def _check_sources_and_options(self) -> FusionRAGModelFields:
+        sources = [name for name in ("model", "engine", "index") if getattr(self, name) is not None]
+        same_engine = self.index is not None and self.engine is self.index.engine
+        if len(sources) > 1 and not (sources == ["engine", "index"] and same_engine):
+            raise InvalidRequestError(
+                f"pass only one of model=, engine= or index= (got {', '.join(sources)}); an index brings its engine"
+            )
+        if self.index is not None and self.store is not None:
+            raise InvalidRequestError("pass either index= or store=: an index brings its own KV store")
+        # NOTE: built once here so a bad value fails at construction, with the core's own message.
+        self.request_options(None, {})
+        return self
+
+    # ---- engine ----------------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        """The model's name as reported to LangChain (tracing, response metadata)."""
+        if self.index is not None:
+            return self.index.engine.name
+        if self.engine is not None:
+            return self.engine.name
+        return self.model or DEFAULT_MODEL
+
+    def fusion_engine(self) -> FusionEngine:
+        """The engine, loaded on first use, with `engine.store` pointed at this model's KV store."""
+        engine, store = self._resolve()
+        if store is not None:
+            # NOTE: re-pointed per request: an engine may be shared by models reading other stores
+            # (FusionIndex.answer does the same).
+            engine.store = store
+        return engine
+
+    def kv_store(self) -> KVStore | None:
+        """The KV store this model reads chunk caches from (None: whatever `engine.store` holds)."""
+        return self._resolve()[1]
+
+    def _resolve(self) -> tuple[FusionEngine, KVStore | None]:
+        if self._loaded is None:
+            # NOTE: a lock, because abatch/ainvoke may reach an unloaded model from several threads.
+            with self._load_lock:
+                if self._loaded is None:
+                    self._loaded = self._load()
+        return self._loaded
+
+    def _load(self) -> tuple[FusionEngine, KVStore | None]:
+        if self.index is not None:
+            return self.index.engine, self.index.store
+        if self.engine is not None:
+            return self.engine, self.store
+        # NOTE: the layout of FusionIndex.open: <data_dir>/kv/<collection_name>.
+        store = self.store or DiskKVStore(Path(self.data_dir).expanduser() / "kv" / self.collection_name)
+        engine = FusionEngine.from_pretrained(self.model, device=self.device, dtype=self.dtype, store=store)
+        return engine, store
+
+    # ---- requests --------------------------------------------------------------------------------
+    def request_options(self, stop: Sequence[str] | None, overrides: Mapping[str, Any]) -> RequestOptions:
+        """This model's options with a call's `stop` and keyword overrides applied.
+
+        Raises:
+            InvalidRequestError: an unknown keyword, or a value the engine would refuse.
+        """
+        unknown = set(overrides) - CALL_OPTIONS
+        if unknown:
+            raise InvalidRequestError(
+                f"unsupported call option(s) {sorted(unknown)}; a FusionRAG model accepts {sorted(CALL_OPTIONS)} "
+                "(chunk caches are found by the chunk ids marked in the prompt, see format_docs)"
+            )
+        value = {name: overrides.get(name, getattr(self, name)) for name in CALL_OPTIONS}
+        sampling = SamplingConfig(
+            max_new_tokens=value["max_tokens"],
+            temperature=value["temperature"],
+            top_p=value["top_p"],
+            seed=value["seed"],
+            stop=tuple(stop if stop is not None else self.stop or ()),
+        )
+        if value["selector"] is not None:
+            get_selector(value["selector"])
+        if value["ratio"] is not None:
+            SelectConfig(ratio=value["ratio"])
+        if value["variant"] not in (None, "fused", "independent"):
+            raise InvalidRequestError(f"unknown cache variant {value['variant']!r}; use 'fused' or 'independent'")
+        return RequestOptions(sampling, value["selector"], value["ratio"], value["variant"], self.full_attention)
+
+    def generate_pieces(
+        self, prompt: FusionPrompt, stop: Sequence[str] | None, overrides: Mapping[str, Any]
+    ) -> Iterator[str | Generation]:
+        """Stream `prompt`: text pieces (mark characters removed), then the finished Generation."""
+        options = self.request_options(stop, overrides)
+        stream = options.stream(self.fusion_engine(), prompt)
+        for piece in stream:
+            text = clean_output(piece)
+            if text:
+                yield text
+        assert stream.result is not None  # NOTE: set by GenerationStream once exhausted.
+        yield stream.result
+
+    def identifying_params(self) -> dict[str, Any]:
+        """What distinguishes this model's answers (LangChain's cache key and tracing)."""
+        return {
+            "model_name": self.model_name,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "selector": self.selector,
+            "ratio": self.ratio,
+            "variant": self.variant,
+            "full_attention": self.full_attention,
+        }
+
+    def ls_overrides(self, stop: Sequence[str] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The LangSmith parameters the base classes cannot derive (provider, model name, stop)."""
+        model = kwargs.get("model")
+        params: dict[str, Any] = {
+            "ls_provider": PROVIDER,
+            "ls_model_name": model if isinstance(model, str) else self.model_name,
+        }
+        if not stop and self.stop:
+            params["ls_stop"] = list(self.stop)
+        return params
+
+
+def generation_metadata(generation: Generation, model_name: str) -> dict[str, Any]:
+    """Response metadata of a finished generation: model name plus `Generation.stats()`.
+
+    Keys: model_name, model_provider, finish_reason, ttft_s, total_s, prompt_tokens,
+    completion_tokens, reused_tokens, recomputed_tokens, recomputed_fraction, selector, ratio,
+    kv_bytes_loaded, cache_misses (a count) and cache_miss_ids (the chunk ids that were prefilled).
+    """
+    return {
+        "model_name": model_name,
+        "model_provider": PROVIDER,
+        **generation.stats(),
+        "cache_miss_ids": sorted(generation.cache_misses),
+    }

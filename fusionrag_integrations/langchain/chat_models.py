@@ -1,0 +1,141 @@
+"""ChatFusionRAG: a LangChain chat model that reuses fused chunk KV caches.
+
+Drop it into an ordinary RAG chain whose context is rendered with `format_docs`: every retrieved
+chunk is recognised by its chunk id, its cache is loaded from the KV store, re-positioned and
+partly recomputed (FusionRAG's query-guided selection), and only the rest of the prompt is
+prefilled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.documents import Document
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models.chat_models import generate_from_stream
+from langchain_core.messages import AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
+
+from fusionrag_core.engine import Generation
+from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.prompt import FusionPrompt
+from fusionrag_integrations.langchain.binding import FusionRAGModelFields, generation_metadata
+from fusionrag_integrations.langchain.documents import chunk_inputs
+from fusionrag_integrations.langchain.messages import to_chat_dicts
+
+
+class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
+    """Chat model over a FusionEngine: chunk caches found by id in the prompt are reused.
+
+    Construction is cheap: weights load on first use (or pass an already loaded `engine=` or an
+    `index=`). With no arguments it answers with the packaged SmolLM2-135M-Instruct and looks
+    chunk caches up in the KV store of `./fusionrag-data`.
+
+    Two ways to name the chunks of a request: marks in the prompt text (`format_docs`, any prompt
+    template), or the documents themselves, `invoke(question, documents=docs)`, which builds the
+    model's canonical prompt (instruction, passages, question) from their ids and texts; the
+    messages are then one human question, optionally after one system instruction.
+
+    Response metadata holds `Generation.stats()` (ttft_s, reused_tokens, recomputed_tokens, ...);
+    usage metadata counts prompt and generated tokens, with reused chunk tokens as `cache_read`.
+
+    Example:
+        >>> from langchain_core.prompts import ChatPromptTemplate
+        >>> from langchain_core.output_parsers import StrOutputParser
+        >>> from langchain_core.runnables import RunnablePassthrough
+        >>> prompt = ChatPromptTemplate.from_messages([("human", "{context}\\nQuestion: {question}")])
+        >>> chain = (
+        ...     {"context": retriever | format_docs, "question": RunnablePassthrough()}
+        ...     | prompt | ChatFusionRAG(index=index) | StrOutputParser()
+        ... )
+        >>> chain.invoke("Who designed the lighthouse?")
+    """
+
+    streaming: bool = False
+    """Whether `invoke` streams internally (callbacks then see every token)."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "fusionrag-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self.identifying_params()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params.update(self.ls_overrides(stop, kwargs))  # type: ignore[typeddict-item]
+        return params
+
+    def fusion_prompt(self, messages: list[BaseMessage], documents: Sequence[Document] | None = None) -> FusionPrompt:
+        """The engine request `invoke(messages, documents=documents)` runs.
+
+        Args:
+            messages: the conversation; chunks marked in its text are recognised.
+            documents: None, or the passages of a canonical prompt (then `messages` is one human
+                question, optionally after one system instruction).
+
+        Raises:
+            InvalidRequestError: `documents` given with other messages than that.
+        """
+        engine = self.fusion_engine()
+        if documents is None:
+            return engine.prompt_from_messages(to_chat_dicts(messages))
+        *system, question = messages
+        if not isinstance(question, HumanMessage) or len(system) > 1 or not all(
+            isinstance(m, SystemMessage) for m in system
+        ):
+            raise InvalidRequestError(
+                "with documents=, pass the question as one human message (optionally after one system message "
+                "holding the instruction); for conversations, put format_docs(documents) in the prompt instead"
+            )
+        instruction = to_chat_dicts(system)[0]["content"] if system else None
+        return engine.prompt(to_chat_dicts([question])[0]["content"], chunk_inputs(documents), instruction=instruction)
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return generate_from_stream(self._stream(messages, stop=stop, run_manager=run_manager, **kwargs))
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        # NOTE: async (`ainvoke`, `astream`) is LangChain's default: this generator runs in an
+        # executor thread, so the blocking engine never stalls the event loop.
+        documents = kwargs.pop("documents", None)
+        prompt = self.fusion_prompt(messages, documents)
+        for piece in self.generate_pieces(prompt, stop, kwargs):
+            if isinstance(piece, Generation):
+                yield self._final_chunk(piece)
+                return
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
+            if run_manager is not None:
+                run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+
+    def _final_chunk(self, generation: Generation) -> ChatGenerationChunk:
+        """The last, empty chunk: it alone carries usage and response metadata (chunks are summed)."""
+        usage = UsageMetadata(
+            input_tokens=generation.prompt_tokens,
+            output_tokens=len(generation.token_ids),
+            total_tokens=generation.prompt_tokens + len(generation.token_ids),
+            input_token_details={"cache_read": generation.reused_tokens},
+        )
+        message = AIMessageChunk(
+            content="",
+            chunk_position="last",
+            usage_metadata=usage,
+            response_metadata=generation_metadata(generation, self.model_name),
+        )
+        return ChatGenerationChunk(message=message)

@@ -1,0 +1,56 @@
+"""LangChain messages in, clean text out: the boundary between LangChain and the engine's prompts.
+
+Messages become the role/content dicts that `FusionEngine.prompt_from_messages` renders with the
+model's chat template; chunks marked with `fusionrag_core.prompt.mark_chunk` (see `format_docs`)
+are recognised there. Mark characters never reach the tokenizer and never leave in output text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from langchain_core.messages import BaseMessage, convert_to_openai_messages
+
+from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.prompt import MARK_CLOSE, MARK_OPEN, MARK_SEP, strip_marks
+
+MARK_CHARS = (MARK_OPEN, MARK_SEP, MARK_CLOSE)
+_MARK_DELETE = str.maketrans(dict.fromkeys(MARK_CHARS))
+
+
+def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
+    """`[{"role": ..., "content": ...}]` for the model's chat template.
+
+    Roles follow the OpenAI convention ("system", "user", "assistant", "tool", or a ChatMessage's
+    own role); text content blocks are joined; `name`, ids and tool-call fields are dropped (chat
+    templates of the supported models do not render them).
+
+    Raises:
+        InvalidRequestError: a message holds non-text content (images, audio, files), or a broken
+            chunk mark (mark characters that are not a complete `mark_chunk` mark).
+    """
+    out: list[dict[str, str]] = []
+    for message in convert_to_openai_messages(list(messages), text_format="string"):
+        content = message.get("content") or ""
+        if not isinstance(content, str):
+            kinds = sorted({str(b.get("type")) for b in content if isinstance(b, dict)} - {"text"})
+            raise InvalidRequestError(
+                f"a {message['role']} message holds {', '.join(kinds) or 'non-text'} content; FusionRAG models "
+                "read text only: pass text content"
+            )
+        if any(c in strip_marks(content) for c in MARK_CHARS):
+            raise InvalidRequestError(
+                "a message holds a broken chunk mark (private-use characters U+E000-U+E002 outside a complete "
+                "mark); build context with format_docs/mark_chunk and do not cut or edit the marked text"
+            )
+        out.append({"role": str(message["role"]), "content": content})
+    return out
+
+
+def clean_output(text: str) -> str:
+    """`text` without the private-use mark characters of `fusionrag_core.prompt`.
+
+    NOTE: marks never reach the tokenizer, so a model can only emit these code points on its own;
+    they are removed anyway, because a later FusionRAG request would read them as chunk marks.
+    """
+    return text.translate(_MARK_DELETE)

@@ -1,0 +1,178 @@
+"""LangChain's standard test suites (langchain-tests) for ChatFusionRAG and FusionRAGRetriever.
+
+The unit suite never loads weights (construction is lazy). The integration suites run the real
+default model, the session's one shared engine (`default_engine`), with short generations.
+Features the model does not have are declared through the suites' own properties, each with
+its reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from langchain_core.documents import Document
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, AIMessageChunk
+from langchain_core.retrievers import BaseRetriever
+from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
+
+from fusionrag_core.engine import FusionEngine
+from fusionrag_core.index import FusionIndex, IngestConfig
+from fusionrag_core.store import DiskKVStore, KVStore
+from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGRetriever, format_docs
+
+CACHED_ID = "lumen-lighthouse"
+CACHED_TEXT = "The Lumen lighthouse on Gull Point was designed by the engineer Ada Vell in 1891."
+CORPUS = [
+    CACHED_TEXT,
+    "Ada Vell was born in the port town of Marrow, where her father repaired ship clocks.",
+    "Marrow lies at the mouth of the river Tell and is known for its salt market.",
+    "Tessaly Instruments built the lighthouse clock; its founder was Oren Tessaly.",
+]
+
+
+class FusionRAGChatFeatures:
+    """What a local FusionRAG chat model over SmolLM2-135M-Instruct can and cannot do."""
+
+    @property
+    def chat_model_class(self) -> type[BaseChatModel]:
+        return ChatFusionRAG
+
+    @property
+    def has_tool_calling(self) -> bool:
+        """False: the engine decodes free text; it has no tool-call parser or constrained decoding."""
+        return False
+
+    @property
+    def has_structured_output(self) -> bool:
+        """False: no JSON-schema constrained decoding (and no tool calling to build it on)."""
+        return False
+
+    @property
+    def supports_json_mode(self) -> bool:
+        """False: no constrained decoding to guarantee JSON."""
+        return False
+
+    @property
+    def supports_image_inputs(self) -> bool:
+        """False: the supported models are text-only (image content is refused with an error)."""
+        return False
+
+    @property
+    def supports_image_urls(self) -> bool:
+        """False: text-only models."""
+        return False
+
+    @property
+    def supports_pdf_inputs(self) -> bool:
+        """False: text-only models; load PDFs with a document loader and ingest their text instead."""
+        return False
+
+    @property
+    def supports_audio_inputs(self) -> bool:
+        """False: text-only models."""
+        return False
+
+    @property
+    def supports_model_override(self) -> bool:
+        """False: a model instance is bound to one loaded engine (weights, KV caches keyed by its
+        fingerprint); another model means another instance."""
+        return False
+
+    @property
+    def enable_vcr_tests(self) -> bool:
+        """False: generation is local; there is no HTTP traffic to record."""
+        return False
+
+
+class TestChatFusionRAGUnit(FusionRAGChatFeatures, ChatModelUnitTests):
+    """Construction, parameters and tracing metadata; no weights are loaded."""
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"model": "smollm2-135m"}
+
+
+@pytest.fixture(scope="module")
+def cached_store(default_engine: FusionEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVStore]:
+    """A store holding one chunk cache of the real model; the shared engine is left without a store."""
+    store = DiskKVStore(tmp_path_factory.mktemp("standard-kv"))
+    store.put(CACHED_ID, default_engine.chunk_cache(CACHED_TEXT))
+    yield store
+    default_engine.store = None
+
+
+# NOTE: `anyio` runs the suites' async tests (pytest-asyncio, in strict mode, would need a mark
+# on each of them, which the suite does not carry); it leaves the sync tests alone.
+@pytest.mark.slow
+@pytest.mark.anyio
+class TestChatFusionRAGIntegration(FusionRAGChatFeatures, ChatModelIntegrationTests):
+    """Invoke, stream, async, batch, conversations, usage and stop sequences on the real model."""
+
+    @pytest.fixture(autouse=True)
+    def _shared_engine(self, default_engine: FusionEngine, cached_store: KVStore) -> None:
+        # NOTE: the suite builds its models from `chat_model_params`, a property; the session's one
+        # loaded engine reaches it through the test instance.
+        self.engine = default_engine
+        self.store = cached_store
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"engine": self.engine, "store": self.store, "max_tokens": 16}
+
+    @property
+    def supported_usage_metadata_details(self) -> dict[Any, Any]:
+        """Reused chunk tokens are reported as `cache_read` input tokens."""
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        model = ChatFusionRAG(**self.chat_model_params)
+        context = format_docs([Document(id=CACHED_ID, page_content=CACHED_TEXT)])
+        prompt = f"Context:\n{context}\nQuestion: Who designed the Lumen lighthouse?"
+        if not stream:
+            message = model.invoke(prompt)
+            assert isinstance(message, AIMessage)
+        else:
+            full: AIMessageChunk | None = None
+            for chunk in model.stream(prompt):
+                full = chunk if full is None else full + chunk
+            assert full is not None
+            message = full
+        # NOTE: stronger than the suite's check (an int >= 0): the cached chunk really was read.
+        assert message.usage_metadata is not None
+        assert message.usage_metadata.get("input_token_details", {}).get("cache_read", 0) > 0
+        return message
+
+
+@pytest.fixture(scope="module")
+def corpus_index(default_engine: FusionEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FusionIndex]:
+    index = FusionIndex.open(default_engine, tmp_path_factory.mktemp("standard-index"),
+                             config=IngestConfig(chunk_tokens=64, neighbors=2))
+    index.add_texts(CORPUS)
+    yield index
+    default_engine.store = None
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+class TestFusionRAGRetrieverIntegration(RetrieversIntegrationTests):
+    """`k` in the constructor and in `invoke`, sync and async, over a FusionIndex of the real model."""
+
+    @pytest.fixture(autouse=True)
+    def _shared_index(self, corpus_index: FusionIndex) -> None:
+        self.index = corpus_index
+
+    @property
+    def retriever_constructor(self) -> type[BaseRetriever]:
+        return FusionRAGRetriever
+
+    @property
+    def retriever_constructor_params(self) -> dict[str, Any]:
+        return {"index": self.index, "k": 2}
+
+    @property
+    def retriever_query_example(self) -> str:
+        return "Who designed the Lumen lighthouse?"
