@@ -68,6 +68,8 @@ class Generation:
             K/V were kept; context tokens computed afresh (selected + uncached).
         first_token_logits: `[V]` fp32 logits of the first generated position.
         cache_misses: chunk id -> why its cache was not used (it was prefilled instead).
+        cache_variants: reused chunks per cache variant; a missing fused cache falls back to the
+            independent one, and this is where that shows.
     """
 
     text: str
@@ -83,6 +85,7 @@ class Generation:
     kv_bytes_loaded: int
     first_token_logits: torch.Tensor
     cache_misses: dict[str, str] = field(default_factory=dict)
+    cache_variants: dict[str, int] = field(default_factory=dict)
 
     @property
     def recomputed_fraction(self) -> float:
@@ -104,6 +107,8 @@ class Generation:
             "kv_bytes_loaded": self.kv_bytes_loaded,
             "finish_reason": self.finish_reason,
             "cache_misses": len(self.cache_misses),
+            "fused_chunks": self.cache_variants.get("fused", 0),
+            "independent_chunks": self.cache_variants.get("independent", 0),
         }
 
 
@@ -394,6 +399,7 @@ class FusionEngine:
             kv_bytes_loaded=st.kv_bytes_loaded,
             first_token_logits=first_logits.detach().cpu(),
             cache_misses=dict(st.misses),
+            cache_variants=dict(st.variants),
         )
 
 

@@ -34,6 +34,7 @@ class Stitched:
         question_slots: `[Q]` slots of the question, computed last.
         kv_bytes_loaded: bytes of chunk K/V read from caches.
         misses: chunk ids whose cache was missing or did not match, with the reason.
+        variants: how many reused chunks came from each cache variant ("fused", "independent").
     """
 
     decoder: Decoder
@@ -44,6 +45,7 @@ class Stitched:
     question_slots: torch.Tensor
     kv_bytes_loaded: int = 0
     misses: dict[str, str] = field(default_factory=dict)
+    variants: dict[str, int] = field(default_factory=dict)
 
     @property
     def reusable_slots(self) -> torch.Tensor:
@@ -86,6 +88,7 @@ def stitch(
     forced: list[torch.Tensor] = []
     loaded = 0
     misses: dict[str, str] = {}
+    variants: dict[str, int] = {}
     for seg in prompt.segments:
         start = buf.length
         kv = lookup(seg.chunk_id) if seg.chunk_id else None
@@ -101,7 +104,8 @@ def stitch(
         keys = shift_keys(kv.keys, new_positions - kv.positions.to(kv.keys.device), decoder.rope)  # [L, H, T, D]
         chunk_slots.append(buf.put(kv, keys, start))
         loaded += kv.nbytes
+        variants[kv.variant] = variants.get(kv.variant, 0) + 1
     q_len = int(prompt.question.shape[0])
     question_slots = buf.reserve(torch.arange(buf.length, buf.length + q_len, device=device), valid=False)
     forced_slots = torch.cat(forced) if forced else torch.empty(0, dtype=torch.int64, device=device)
-    return Stitched(decoder, buf, slot_tokens, chunk_slots, forced_slots, question_slots, loaded, misses)
+    return Stitched(decoder, buf, slot_tokens, chunk_slots, forced_slots, question_slots, loaded, misses, variants)

@@ -124,6 +124,7 @@ def test_fused_after_one_neighbour_at_ratio_zero_equals_full_prefill(tiny_engine
     assert (fused.keys - independent.keys).abs().max().item() > 1e-4  # fusion changed the cache
     prompt = prompt_for(tiny_engine, CHUNKS[:2])
     gen = tiny_engine.generate(prompt, caches={"c0": neighbour, "c1": fused}, selector="none")
+    assert gen.cache_variants == {"independent": 1, "fused": 1}
     ref = reference_logits(tiny_engine, prompt.token_ids())
     assert (gen.first_token_logits - ref).abs().max().item() < 1e-3
     # ...whereas the independent cache of the second chunk is an approximation
