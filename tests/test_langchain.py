@@ -137,6 +137,7 @@ def test_construction_is_lazy_and_defaults_to_the_data_dir_store(
     store = loads[0]["store"]
     assert isinstance(store, DiskKVStore)
     assert store.root.resolve() == (tmp_path / "fusionrag-data" / "kv" / "fusionrag").resolve()
+    assert chat.kv_store() is store and tiny_engine.store is store
     tiny_engine.store = None
 
 
@@ -291,6 +292,8 @@ def test_stop_max_tokens_and_per_call_options(chat: ChatFusionRAG, docs: list[Do
 
     short = _ask(chat, docs[:2], max_tokens=3)
     assert short.response_metadata["completion_tokens"] == 3 and text.startswith(str(short.content))
+    sampled = [_ask(chat, docs[:2], temperature=1.0, top_p=0.9, seed=seed).content for seed in (3, 3, 4)]
+    assert sampled[0] == sampled[1] != sampled[2]
     independent = _ask(chat, docs[:2], variant="independent", ratio=0.5, selector="first_k")
     assert independent.response_metadata["selector"] == "first_k" and independent.response_metadata["ratio"] == 0.5
 

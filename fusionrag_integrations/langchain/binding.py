@@ -164,7 +164,9 @@ class FusionRAGModelFields(BaseModel):
         if self.engine is not None:
             return self.engine, self.store
         # NOTE: the layout of FusionIndex.open: <data_dir>/kv/<collection_name>.
-        store = self.store or DiskKVStore(Path(self.data_dir).expanduser() / "kv" / self.collection_name)
+        store = self.store
+        if store is None:
+            store = DiskKVStore(Path(self.data_dir).expanduser() / "kv" / self.collection_name)
         engine = FusionEngine.from_pretrained(self.model, device=self.device, dtype=self.dtype, store=store)
         return engine, store
 

@@ -84,7 +84,7 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
         engine = self.fusion_engine()
         if documents is None:
             return engine.prompt_from_messages(to_chat_dicts(messages))
-        *system, question = messages
+        system, question = messages[:-1], messages[-1] if messages else None
         if not isinstance(question, HumanMessage) or len(system) > 1 or not all(
             isinstance(m, SystemMessage) for m in system
         ):
