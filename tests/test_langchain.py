@@ -200,6 +200,7 @@ def test_marked_chunks_are_reused_in_any_order_with_their_exact_cached_tokens(
         # token ids equal its cached ids exactly, whatever the text around the marks.
         assert meta["reused_tokens"] == cached_tokens
         assert meta["cache_misses"] == 0 and meta["cache_miss_ids"] == []
+        assert meta["independent_chunks"] == len(docs)  # the store holds independent caches only
     meta = _ask(chat, orders[2]).response_metadata
     assert meta["selector"] == "query_guided"
     # the query-guided pass recomputes its share of the chunk tokens and reuses the rest
@@ -391,6 +392,7 @@ def test_lcel_chain_over_the_index_reuses_retrieved_chunks(tiny_index: FusionInd
     assert isinstance(generation, ChatGeneration)
     message = generation.message
     assert message.response_metadata["reused_tokens"] > 0 and message.response_metadata["cache_misses"] == 0
+    assert message.response_metadata["fused_chunks"] == 3 and message.response_metadata["independent_chunks"] == 0
     messages = PROMPT.invoke({"context": format_docs(retriever.invoke(QUESTION)), "question": QUESTION})
     engine = tiny_index.engine
     plain = [{"role": "system", "content": "Answer from the context."},

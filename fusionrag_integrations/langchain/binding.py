@@ -242,9 +242,10 @@ class FusionRAGModelFields(BaseModel):
 def generation_metadata(generation: Generation, model_name: str) -> dict[str, Any]:
     """Response metadata of a finished generation: model name plus `Generation.stats()`.
 
-    Keys: model_name, model_provider, finish_reason, ttft_s, total_s, prompt_tokens,
-    completion_tokens, reused_tokens, recomputed_tokens, recomputed_fraction, selector, ratio,
-    kv_bytes_loaded, cache_misses (a count) and cache_miss_ids (the chunk ids that were prefilled).
+    Keys: model_name, model_provider, every key of `Generation.stats()` (ttft_s, total_s,
+    prompt_tokens, completion_tokens, reused_tokens, recomputed_tokens, selector, ratio,
+    finish_reason, cache_misses as a count, fused_chunks / independent_chunks, ...) and
+    cache_miss_ids, the chunk ids that had no usable cache and were prefilled.
     """
     return {
         "model_name": model_name,
