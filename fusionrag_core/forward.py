@@ -137,6 +137,9 @@ class Decoder:
                 return out
             buf.keys[i, :, slots] = k[0]
             buf.values[i, :, slots] = v[0]
+            last = i == self.num_layers - 1
+            if last and not logits and attention_from is None:
+                break  # NOTE: only the last layer's K/V are wanted (a chunk prefill): skip its attention and MLP
 
             window = self.windows[i]
             if window not in masks:
@@ -145,13 +148,14 @@ class Decoder:
                 # NOTE: a plain prefill from position 0 takes SDPA's causal fast path, no mask tensor.
                 masks[window] = None if whole_causal else self._mask(q_pos, k_pos, k_valid, window)
             mask = masks[window]
-            keys, values = buf.keys[i, :, :S][None], buf.values[i, :, :S][None]  # [1, H, S, D]
-            o = self._attend(q, keys, values, mask, blocks)  # [1, Hq, N, D]
-
-            if attention_from is not None and i == self.num_layers - 1:
+            if attention_from is not None and last:
                 out.attention = self._attention_mass(q[0, :, attention_from:], buf.keys[i, :, :S],
                                                      mask[attention_from:] if mask is not None else
                                                      self._mask(q_pos[attention_from:], k_pos, k_valid, window))
+                if not logits:
+                    break  # NOTE: a selector's probe pass wants the attention mass, not the layer's output
+            keys, values = buf.keys[i, :, :S][None], buf.values[i, :, :S][None]  # [1, H, S, D]
+            o = self._attend(q, keys, values, mask, blocks)  # [1, Hq, N, D]
 
             o = attn.o_proj(o.transpose(1, 2).reshape(1, N, self.num_heads * self.head_dim))
             if self.sandwich_norms:
@@ -162,8 +166,8 @@ class Decoder:
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
 
         if logits:
-            last = self.parts.final_norm(x[:, -1:])
-            out.logits = self.parts.lm_head(last)[0, 0].float()
+            final = self.parts.final_norm(x[:, -1:])
+            out.logits = self.parts.lm_head(final)[0, 0].float()
             if self.parts.final_logit_softcap is not None:
                 cap = self.parts.final_logit_softcap
                 out.logits = torch.tanh(out.logits / cap) * cap
