@@ -313,8 +313,9 @@ def _check_fits(engine: FusionEngine, row: BenchRow, passages: Sequence[str], sa
     if need > engine.context_window:
         raise ContextLengthError(
             f"row {index}: {len(passages)} passages + question + {sampling.max_new_tokens} answer tokens need {need} "
-            f"positions, more than {engine.name}'s context window of {engine.context_window}; pass "
-            f"--max-passage-tokens {max(1, (engine.context_window - 256) // max(1, len(passages)))} or less"
+            f"positions, more than {engine.name}'s context window of {engine.context_window}; cut passages with "
+            f"max_passage_tokens (--max-passage-tokens) "
+            f"{max(1, (engine.context_window - 256) // max(1, len(passages)))} or less"
         )
 
 
