@@ -1,0 +1,41 @@
+"""The README's Python snippets run as written (with the session's already-loaded default model)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusionrag_core.engine import FusionEngine
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+SNIPPETS = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.DOTALL)
+
+
+def test_readme_has_the_snippets() -> None:
+    assert len(SNIPPETS) >= 3  # quickstart, LangChain, LlamaIndex
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("snippet", SNIPPETS, ids=[f"snippet{i}" for i in range(len(SNIPPETS))])
+def test_readme_snippet_runs(snippet: str, default_engine: FusionEngine, tmp_path: Path,
+                             monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # NOTE: from_pretrained() in the snippets returns the session's engine: the same default model,
+    # loaded once for the whole suite instead of once per snippet.
+    def shared(cls: type[FusionEngine], *args: Any, **kwargs: Any) -> FusionEngine:
+        assert not args and not kwargs, "README snippets load the default model"
+        return default_engine
+
+    monkeypatch.setattr(FusionEngine, "from_pretrained", classmethod(shared))
+    monkeypatch.chdir(tmp_path)
+    store = default_engine.store
+    try:
+        exec(compile(snippet, str(README), "exec"), {"__name__": "__readme__"})
+    finally:
+        default_engine.store = store
+    printed = capsys.readouterr().out
+    assert printed.strip(), "each snippet prints its answer"
+    assert "\ue000" not in printed and "\ue002" not in printed  # no chunk marks leak into output
+    assert (tmp_path / "fusionrag-data").is_dir()
