@@ -52,4 +52,18 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [
+    "ChunkKV",
+    "EngineConfig",
+    "FusionEngine",
+    "FusionIndex",
+    "FusionPrompt",
+    "Generation",
+    "IngestConfig",
+    "SamplingConfig",
+    "SelectConfig",
+    "__version__",
+    "mark_chunk",
+    "open_store",
+    "strip_marks",
+]

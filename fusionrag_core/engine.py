@@ -7,6 +7,7 @@ A query, top to bottom:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -27,6 +28,7 @@ from fusionrag_core.prompt import DEFAULT_INSTRUCTION, FusionPrompt, PromptLayou
 from fusionrag_core.recompute import recompute
 from fusionrag_core.select import SelectConfig, get_selector
 from fusionrag_core.stitch import stitch
+from fusionrag_core.store.base import is_storable_chunk_id
 
 if TYPE_CHECKING:
     from fusionrag_core.store.base import KVStore
@@ -161,6 +163,7 @@ class FusionEngine:
         self.fingerprint = model_lib.fingerprint(model)
         self.context_window = model_lib.context_window(model)
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
+        self._prefix_lock = threading.Lock()  # integrations serve requests from several threads
         self.eos_ids = self._eos_ids()
 
     @classmethod
@@ -236,13 +239,15 @@ class FusionEngine:
         if prefix_ids.numel() == 0:
             return None
         key = tuple(int(t) for t in prefix_ids)
-        if key in self._prefixes:
-            self._prefixes.move_to_end(key)
-            return self._prefixes[key]
+        with self._prefix_lock:
+            if key in self._prefixes:
+                self._prefixes.move_to_end(key)
+                return self._prefixes[key]
         kv = prefill_prefix(self.decoder, prefix_ids, self.fingerprint)
-        self._prefixes[key] = kv
-        while len(self._prefixes) > self.config.prefix_cache_size:
-            self._prefixes.popitem(last=False)
+        with self._prefix_lock:
+            self._prefixes[key] = kv
+            while len(self._prefixes) > self.config.prefix_cache_size:
+                self._prefixes.popitem(last=False)
         return kv
 
     def chunk_cache(
@@ -259,19 +264,21 @@ class FusionEngine:
         prefix = self.prefix_cache(self.layout.prefix_ids(instruction or self.config.instruction))
         return prefill_chunk(self.decoder, prefix, ids.to(self.device), self.fingerprint, neighbours)
 
-    def _lookup(self, caches: Mapping[str, ChunkKV] | None, variant: Variant) -> Callable[[str], ChunkKV | None]:
+    def _lookup(
+        self, caches: Mapping[str, ChunkKV] | None, variant: Variant, store: KVStore | None
+    ) -> Callable[[str], ChunkKV | None]:
         def lookup(chunk_id: str) -> ChunkKV | None:
             if caches is not None and chunk_id in caches:
                 kv = caches[chunk_id]
                 kv.validate(fingerprint=self.fingerprint, shape=self.kv_shape)
                 return kv
-            if self.store is None:
-                return None
+            if store is None or not is_storable_chunk_id(chunk_id):
+                return None  # NOTE: an id no store can hold has no cache: stitch reports it as a miss
             # NOTE: a fused cache is preferred; the independent one is the next best thing.
             order: tuple[Variant, ...] = (variant, "independent") if variant == "fused" else (variant,)
             for v in order:
                 try:
-                    return self.store.get(chunk_id, v, fingerprint=self.fingerprint, shape=self.kv_shape,
+                    return store.get(chunk_id, v, fingerprint=self.fingerprint, shape=self.kv_shape,
                                           device=self.device, dtype=self.decoder.dtype)
                 except CacheNotFoundError:
                     continue
@@ -293,6 +300,7 @@ class FusionEngine:
         ratio: float | None = None,
         caches: Mapping[str, ChunkKV] | None = None,
         variant: Variant | None = None,
+        store: KVStore | None = None,
     ) -> GenerationStream:
         """Answer `prompt`, streaming text pieces.
 
@@ -303,6 +311,8 @@ class FusionEngine:
             ratio: recompute ratio (default from EngineConfig).
             caches: chunk caches by chunk id, looked up before the store.
             variant: preferred stored cache variant (default from EngineConfig).
+            store: where to look caches up for this request (default `self.store`); lets one
+                engine serve several indexes from several threads.
         """
         sampling = sampling or SamplingConfig()
         select_config = self.config.select
@@ -312,7 +322,7 @@ class FusionEngine:
         name = selector or self.config.selector
         select_fn = get_selector(name)
         self._check_length(prompt, sampling)
-        lookup = self._lookup(caches, variant or self.config.cache_variant)
+        lookup = self._lookup(caches, variant or self.config.cache_variant, store or self.store)
         return GenerationStream(self._run(prompt, sampling, name, select_fn, select_config, lookup))
 
     def full_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None) -> GenerationStream:

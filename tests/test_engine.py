@@ -277,3 +277,15 @@ def test_smollm2_template_layout_matches_apply_chat_template(default_engine: Fus
     # NOTE: identical modulo the per-chunk tokenization boundary: at most a token or so per chunk.
     assert abs(len(templated) - prompt.num_tokens) <= len(CHUNKS)
     assert prompt.prefix.tolist() == templated[: prompt.prefix.numel()]
+
+
+def test_unstorable_chunk_id_is_a_miss_not_an_error(tiny_engine: FusionEngine, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from fusionrag_core.store import DiskKVStore
+
+    store = DiskKVStore(tmp_path / "kv")
+    store.put("c0", tiny_engine.chunk_cache(CHUNKS[0]))
+    prompt = prompt_for(tiny_engine, CHUNKS[:2], ids=["c0", "not/a valid id"])
+    gen = tiny_engine.generate(prompt, store=store, selector="none", sampling=SamplingConfig(max_new_tokens=2))
+    assert set(gen.cache_misses) == {"not/a valid id"}
+    assert gen.reused_tokens == prompt.segments[0].num_tokens
+    assert tiny_engine.store is None  # the per-request store did not stick to the engine

@@ -51,6 +51,11 @@ _CHUNK_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _MAX_HEADER_BYTES = 1 << 20
 
 
+def is_storable_chunk_id(chunk_id: object) -> bool:
+    """Whether a KV store can hold `chunk_id` (see `validate_chunk_id`)."""
+    return isinstance(chunk_id, str) and _CHUNK_ID_RE.fullmatch(chunk_id) is not None
+
+
 def validate_chunk_id(chunk_id: str) -> str:
     """Return `chunk_id` if it is safe to use as a file name / key part.
 
@@ -58,7 +63,7 @@ def validate_chunk_id(chunk_id: str) -> str:
         InvalidRequestError: if it is empty, too long, or holds characters other than
             `[A-Za-z0-9_-]` (path separators, dots, spaces...).
     """
-    if not isinstance(chunk_id, str) or _CHUNK_ID_RE.fullmatch(chunk_id) is None:
+    if not is_storable_chunk_id(chunk_id):
         raise InvalidRequestError(
             f"invalid chunk id {chunk_id!r}: expected 1-128 characters from [A-Za-z0-9_-] "
             "(chunk ids are hex content hashes; pass the id ingest produced, not a path or a text)"
