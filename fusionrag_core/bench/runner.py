@@ -223,7 +223,7 @@ def run_benchmark(
     totals = _IngestTotals()
     results: list[RowResult] = []
     per_row: list[dict[str, Any]] = []
-    previous_store = engine.store
+    previous_store = engine.store  # NOTE: FusionIndex.open points engine.store at each row's store.
     # NOTE: one step per ingest and per query, so a slow row still shows progress.
     bar = tqdm(total=len(rows) * (1 + len(plan)), desc="bench", unit="step", disable=not progress)
     try:
@@ -383,8 +383,8 @@ def _warm_up(engine: FusionEngine, prompt: Any, corpus: _RowCorpus) -> None:
     """One untimed query of each kind (plain prefill, cache reuse): first calls pay one-time costs."""
     short = SamplingConfig(max_new_tokens=2)
     engine.full_attention(prompt, sampling=short).collect()
-    engine.store = corpus.indexes["fused"].store
-    engine.generate(prompt, sampling=short, selector="query_guided", variant="fused")
+    engine.generate(prompt, sampling=short, selector="query_guided", variant="fused",
+                    store=corpus.indexes["fused"].store)
 
 
 def _answer(
@@ -399,9 +399,8 @@ def _answer(
     if method.selector is None:
         return engine.full_attention(prompt, sampling=sampling).collect()
     assert method.variant is not None  # NOTE: every reuse method names its cache variant.
-    engine.store = corpus.indexes[method.variant].store
     generation = engine.generate(prompt, sampling=sampling, selector=method.selector, ratio=ratio,
-                                 variant=method.variant)
+                                 variant=method.variant, store=corpus.indexes[method.variant].store)
     if generation.cache_misses:
         raise CacheNotFoundError(
             f"{label(method.name, ratio)} prefilled chunks instead of reusing their caches: {generation.cache_misses}"
