@@ -253,8 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=_positive_int, default=32, help="answer length limit (default: 32)")
     bench.add_argument("--storage-dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                        help="dtype of stored caches (default: float16)")
-    bench.add_argument("--out", default="./bench-results", metavar="DIR",
-                       help="output directory (default: ./bench-results)")
+    bench.add_argument("--out", default="./bench-out", metavar="DIR",
+                       help="output directory (default: ./bench-out)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(handler=cmd_bench)
     return parser

@@ -10,7 +10,7 @@
 #
 # Usage: scripts/gpu_bench.sh [--equivalence-only] [DATA.jsonl]
 #   DATA defaults to ../shared/datasets/musique_dev.jsonl. Results go to $OUT if set, else
-#   ./gpu-bench-results: equivalence.txt, smollm2-4k/ and gemma3-6k/ (results.json, results.md, plots).
+#   ./bench-out/gpu: equivalence.txt, smollm2-4k/ and gemma3-6k/ (results.json, results.md, plots).
 # Needs no network (models ship in packages); takes ~5-8 minutes on one H100/H200.
 set -euo pipefail
 
@@ -21,7 +21,7 @@ if [[ "${1:-}" == "--equivalence-only" ]]; then
     shift
 fi
 data="${1:-../shared/datasets/musique_dev.jsonl}"
-out="${OUT:-./gpu-bench-results}"
+out="${OUT:-./bench-out/gpu}"
 python="python3"
 [[ -x .venv/bin/python ]] && python=.venv/bin/python
 mkdir -p "$out"
