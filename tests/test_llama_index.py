@@ -353,16 +353,14 @@ def test_standard_synthesizer_reuses_marked_chunks(
     try:
         marked = index.as_query_engine(llm=llm, similarity_top_k=2, node_postprocessors=[FusionChunkMarker()],
                                        text_qa_template=fusion_text_qa_template()).query(question)
-        plain = index.as_query_engine(llm=llm, similarity_top_k=2).query(question)
     finally:
         get_dispatcher().event_handlers.remove(handler)
 
-    assert len(handler.stats) == 2
-    with_marks, without = handler.stats
-    assert with_marks["reused_tokens"] > 0 and with_marks["cache_misses"] == 0
-    assert without["reused_tokens"] == 0
-    assert isinstance(marked, Response) and isinstance(plain, Response)
-    assert marked.response and plain.response
+    # NOTE: one LLM call (compact mode, both chunks fit); without the marker nothing is reused, as
+    # test_complete_reuses_marked_chunks_and_reports_stats shows on the flattened prompt.
+    assert len(handler.stats) == 1
+    assert handler.stats[0]["reused_tokens"] > 0 and handler.stats[0]["cache_misses"] == 0
+    assert isinstance(marked, Response) and marked.response
     assert all(n.node.node_id == n.node.metadata[CHUNK_ID_KEY] for n in marked.source_nodes)
 
 
