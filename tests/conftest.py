@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from fusionrag_core.engine import FusionEngine
-from fusionrag_core.model import resolve_source
+from tests.ingest_worker import tokenizer_dir
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +21,21 @@ def default_engine() -> Iterator[FusionEngine]:
 
 
 @pytest.fixture(scope="session")
-def smollm_tokenizer() -> PreTrainedTokenizerBase:
-    """Only the default model's tokenizer (fast: no weights)."""
-    source = resolve_source(None)
-    return AutoTokenizer.from_pretrained(source.path_or_id, gguf_file=source.gguf_file)
+def tokenizer(request: pytest.FixtureRequest) -> PreTrainedTokenizerBase:
+    """Only the default model's tokenizer (no weights), from a plain-file copy kept in pytest's cache."""
+    return AutoTokenizer.from_pretrained(tokenizer_dir(request.config.cache.mkdir("fusionrag-tokenizer")))
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a module of tiny-model tests: a second OpenMP thread only adds
+    synchronisation to tiny matrices on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

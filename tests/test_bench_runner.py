@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from transformers import AutoTokenizer
+from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.bench.data import DatasetFormatError, load_rows
 from fusionrag_core.bench.report import load_results, markdown, write_report
@@ -18,7 +16,7 @@ from fusionrag_core.bench.runner import DEFAULT_METHODS, METHODS, BenchConfig, l
 from fusionrag_core.compat import tokenize_plain
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import ContextLengthError, InvalidRequestError
-from tests.ingest_worker import tiny_engine, tokenizer_dir
+from tests.ingest_worker import tiny_engine
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "musique_dev.jsonl"
 RATIOS = (0.15, 0.5)
@@ -28,21 +26,14 @@ SUMMARY_KEYS = {
     "kv_bytes_loaded",
 }
 
-pytestmark = pytest.mark.skipif(not DATA.is_file(), reason=f"benchmark dataset not found at {DATA}")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # NOTE: tiny matrices; a second OpenMP thread only adds synchronisation on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [
+    pytest.mark.skipif(not DATA.is_file(), reason=f"benchmark dataset not found at {DATA}"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 @pytest.fixture(scope="module")
-def engine(request: pytest.FixtureRequest) -> FusionEngine:
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(request.config.cache.mkdir("fusionrag-tokenizer")))
+def engine(tokenizer: PreTrainedTokenizerBase) -> FusionEngine:
     return tiny_engine(tokenizer)
 
 

@@ -9,35 +9,21 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from fusionrag_core.cli import EngineSpec, build_parser, main
 from fusionrag_core.engine import FusionEngine
-from tests.ingest_worker import tokenizer_dir
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "musique_dev.jsonl"
 COMMANDS = ("demo", "ingest", "ask", "verify", "bench")
 LIGHTHOUSE = "The Lumen lighthouse on the northern cape was designed by the engineer Ada Vell in 1871."
 BIRTH = "Ada Vell was born in the fishing village of Marrow, where her father repaired nets."
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # NOTE: tiny matrices; a second OpenMP thread only adds synchronisation on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(request: pytest.FixtureRequest) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(tokenizer_dir(request.config.cache.mkdir("fusionrag-tokenizer")))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class TinyEngines:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
@@ -17,7 +17,7 @@ from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest import IngestConfig
 from fusionrag_core.store import DiskKVStore
 from fusionrag_core.vectordb import all_ids
-from tests.ingest_worker import tiny_engine, tokenizer_dir
+from tests.ingest_worker import tiny_engine
 from tests.servers import running_chroma_server, running_redis_server
 
 LIGHTHOUSE = "The Lumen lighthouse on the northern cape was designed by the engineer Ada Vell in 1871."
@@ -25,19 +25,7 @@ BIRTH = "Ada Vell was born in the fishing village of Marrow, where her father re
 SALT = "Marrow salt was sold in markets all along the coast and was famous for its pale pink colour."
 CONFIG = IngestConfig(chunk_tokens=48, neighbors=2)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # NOTE: tiny matrices; a second OpenMP thread only adds synchronisation on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(request: pytest.FixtureRequest) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(tokenizer_dir(request.config.cache.mkdir("fusionrag-tokenizer")))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.chunking import Chunker, ChunkingConfig, chunk_id
 from fusionrag_core.data import sample_corpus_dir
@@ -34,19 +34,7 @@ from tests.ingest_worker import tiny_engine, tokenizer_dir
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # NOTE: the tiny model's matrices are far too small to share out; on a busy 2-core machine
-    # OpenMP's second thread made each prefill ~20x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(request: pytest.FixtureRequest) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(tokenizer_dir(request.config.cache.mkdir("fusionrag-tokenizer")))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
