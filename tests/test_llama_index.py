@@ -112,22 +112,24 @@ def test_llm_construction_is_lazy_and_refuses_mixed_sources(tiny_engine: FusionE
     assert llm.model == "/nonexistent/model.gguf"
     with pytest.raises(FusionRAGError, match="does not exist"):
         _ = llm.engine
-    with pytest.raises(InvalidRequestError, match="engine= and store="):
-        FusionRAGLLM(engine=tiny_engine, store="./kv")
+    with pytest.raises(InvalidRequestError, match="engine= and model="):
+        FusionRAGLLM(engine=tiny_engine, model="smollm2-135m")
     meta = FusionRAGLLM(engine=tiny_engine, max_new_tokens=7).metadata
     assert (meta.context_window, meta.num_output, meta.model_name) == (2048, 7, "tiny-llama")
     assert meta.is_chat_model  # the SmolLM2 tokenizer has a chat template
 
 
-def test_complete_reuses_marked_chunks_and_reports_stats(tiny: FusionEngine) -> None:
-    assert tiny.store is not None
-    tiny.store.put("c0", tiny.chunk_cache(CHUNKS[0]))
-    llm = FusionRAGLLM(engine=tiny, max_new_tokens=GREEDY.max_new_tokens)
+def test_complete_reuses_marked_chunks_and_reports_stats(tiny: FusionEngine, tmp_path: Path) -> None:
+    # NOTE: the LLM's own store, passed per request; the engine's attached store stays empty.
+    own = DiskKVStore(tmp_path / "own")
+    own.put("c0", tiny.chunk_cache(CHUNKS[0]))
+    llm = FusionRAGLLM(engine=tiny, store=str(tmp_path / "own"), max_new_tokens=GREEDY.max_new_tokens)
     prompt = f"Context:\n{mark_chunk('c0', CHUNKS[0])}\n{mark_chunk('c1', CHUNKS[1])}\nQuestion: {QUESTION}"
 
     response = llm.complete(prompt)
 
-    expected = tiny.generate(tiny.prompt_from_messages([{"role": "user", "content": prompt}]), sampling=GREEDY)
+    expected = tiny.generate(tiny.prompt_from_messages([{"role": "user", "content": prompt}]), sampling=GREEDY,
+                             store=own)
     assert response.text == expected.text
     stats = response.additional_kwargs
     assert stats["reused_tokens"] > 0 and stats["reused_tokens"] == expected.reused_tokens
@@ -135,6 +137,7 @@ def test_complete_reuses_marked_chunks_and_reports_stats(tiny: FusionEngine) -> 
     assert response.raw == stats and isinstance(stats["ttft_s"], float)
     plain = llm.complete(strip_marks(prompt))
     assert plain.additional_kwargs["reused_tokens"] == 0
+    assert FusionRAGLLM(engine=tiny, max_new_tokens=2).complete(prompt).additional_kwargs["reused_tokens"] == 0
 
 
 def test_stream_complete_is_cumulative_and_matches_complete(tiny: FusionEngine) -> None:
@@ -288,11 +291,9 @@ def test_marker_marks_copies_and_template_matches_the_canonical_layout(
 @pytest.fixture(scope="module")
 def pipeline_corpus(default_engine: FusionEngine, tmp_path_factory: pytest.TempPathFactory,
                     ) -> Iterator[tuple[FusionRAGLLM, ChromaVectorStore, FusionRAGEmbedding, KVStore]]:
-    """Two sample documents through SentenceSplitter → FusionKVTransform → embeddings → ChromaVectorStore."""
+    """Two sample documents through SentenceSplitter → embeddings → FusionKVTransform → ChromaVectorStore."""
     root = tmp_path_factory.mktemp("llama_index")
-    store = DiskKVStore(root / "kv")
-    default_engine.store = store
-    llm = FusionRAGLLM(engine=default_engine, max_new_tokens=8)
+    llm = FusionRAGLLM(engine=default_engine, store=str(root / "kv"), max_new_tokens=8)
     embed = FusionRAGEmbedding()
     files = ["lumen_lighthouse.md", "ada_vell.md"]  # the two hops of the first sample question
     documents = [Document(text=(sample_corpus_dir() / f).read_text(encoding="utf-8"), metadata={"file_name": f})
@@ -306,10 +307,9 @@ def pipeline_corpus(default_engine: FusionEngine, tmp_path_factory: pytest.TempP
         vector_store=vector_store,
     )
     pipeline.run(documents=documents)
-    try:
-        yield llm, vector_store, embed, store
-    finally:
-        default_engine.store = None
+    store = llm.kv_store
+    assert store is not None and store is not default_engine.store  # the caches went to the LLM's own store
+    yield llm, vector_store, embed, store
 
 
 @pytest.mark.slow
@@ -328,7 +328,8 @@ def test_query_engine_reuses_caches_and_answers_like_the_engine(
     assert response.metadata["reused_tokens"] > 0 and response.metadata["cache_misses"] == 0
     chunks = [(n.node.node_id, n.node.get_content()) for n in response.source_nodes]
     engine = llm.engine
-    expected = engine.generate(engine.prompt(question, chunks=chunks), sampling=SamplingConfig(max_new_tokens=8))
+    expected = engine.generate(engine.prompt(question, chunks=chunks), sampling=SamplingConfig(max_new_tokens=8),
+                               store=store)
     assert response.response == expected.text and expected.text.strip()
     assert response.metadata["reused_tokens"] == expected.reused_tokens
 

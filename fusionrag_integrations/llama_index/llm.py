@@ -31,7 +31,7 @@ from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.prompt import MARK_CLOSE, MARK_OPEN, MARK_SEP, FusionPrompt, strip_marks
-from fusionrag_core.store import open_store
+from fusionrag_core.store import KVStore, open_store
 
 _MARK_CHARS = (MARK_OPEN, MARK_SEP, MARK_CLOSE)
 _MARK_DELETE = str.maketrans(dict.fromkeys(_MARK_CHARS))
@@ -75,19 +75,20 @@ class FusionRAGLLM(CustomLLM):
     ratio: float | None = Field(default=None, description="Recompute ratio (None: the engine's default).")
 
     _engine: FusionEngine | None = PrivateAttr(default=None)
+    _store: KVStore | None = PrivateAttr(default=None)
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
     def __init__(self, *, engine: FusionEngine | None = None, **data: Any) -> None:
-        """Build the LLM; with `engine=`, the model/device/dtype/store fields must stay unset.
+        """Build the LLM; with `engine=`, the model/device/dtype fields must stay unset (`store` may be set).
 
         Raises:
             InvalidRequestError: `engine=` given together with loading options.
         """
-        loading = sorted(k for k in ("model", "device", "dtype", "store") if data.get(k) is not None)
+        loading = sorted(k for k in ("model", "device", "dtype") if data.get(k) is not None)
         if engine is not None and loading:
             raise InvalidRequestError(
-                f"FusionRAGLLM got engine= and {', '.join(loading)}=; set the store and model on the engine "
-                "(FusionEngine.from_pretrained(..., store=open_store(...))) or drop engine= to load lazily"
+                f"FusionRAGLLM got engine= and {', '.join(loading)}=; those options load a model: drop them to use "
+                "the given engine, or drop engine= to load lazily"
             )
         super().__init__(**data)
         self._engine = engine
@@ -101,10 +102,19 @@ class FusionRAGLLM(CustomLLM):
         """The engine, loaded on first access (thread-safe)."""
         with self._lock:
             if self._engine is None:
-                store = open_store(self.store) if self.store is not None else None
-                self._engine = FusionEngine.from_pretrained(self.model, device=self.device, dtype=self.dtype,
-                                                            store=store)
+                self._engine = FusionEngine.from_pretrained(self.model, device=self.device, dtype=self.dtype)
             return self._engine
+
+    @property
+    def kv_store(self) -> KVStore | None:
+        """Where chunk caches are looked up: the store at `store` (opened on first use), else the engine's.
+
+        NOTE: passed to the engine per request, so one engine can serve several LLMs and stores.
+        """
+        with self._lock:
+            if self._store is None and self.store is not None:
+                self._store = open_store(self.store)
+        return self._store if self._store is not None else self.engine.store
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -119,11 +129,14 @@ class FusionRAGLLM(CustomLLM):
         )
 
     # ---- the engine call shared by every entry point --------------------------------------------
-    def stream_prompt(self, prompt: FusionPrompt, **overrides: Any) -> GenerationStream:
+    def stream_prompt(
+        self, prompt: FusionPrompt, *, store: KVStore | None = None, **overrides: Any
+    ) -> GenerationStream:
         """Run a FusionPrompt with this LLM's sampling and selection settings.
 
         Args:
             prompt: from `engine.prompt(...)` or `engine.prompt_from_messages(...)`.
+            store: where to look chunk caches up for this call (default `kv_store`).
             **overrides: any of `GENERATION_KWARGS`, for this call only.
 
         Raises:
@@ -142,7 +155,8 @@ class FusionRAGLLM(CustomLLM):
             seed=settings["seed"],
             stop=tuple(settings["stop"]),
         )
-        return self.engine.stream(prompt, sampling=sampling, selector=settings["selector"], ratio=settings["ratio"])
+        return self.engine.stream(prompt, sampling=sampling, selector=settings["selector"], ratio=settings["ratio"],
+                                  store=store if store is not None else self.kv_store)
 
     # ---- completion ------------------------------------------------------------------------------
     def _completion_prompt(self, prompt: str, formatted: bool) -> FusionPrompt:

@@ -58,13 +58,13 @@ class FusionRAGQueryEngine(CustomQueryEngine):
         streaming: bool = False,
     ) -> FusionRAGQueryEngine:
         """Query a FusionIndex (its engine answers unless `llm` is given); caches come from the index's store."""
-        engine = cls(
+        query_engine = cls(
             retriever=FusionRAGRetriever.from_index(index, similarity_top_k=similarity_top_k),
             llm=llm or FusionRAGLLM(engine=index.engine),
             streaming=streaming,
         )
-        engine._store = index.store
-        return engine
+        query_engine._store = index.store
+        return query_engine
 
     @classmethod
     def from_vector_store(
@@ -76,7 +76,7 @@ class FusionRAGQueryEngine(CustomQueryEngine):
         similarity_top_k: int = 4,
         streaming: bool = False,
     ) -> FusionRAGQueryEngine:
-        """Query a vector store filled through `FusionKVTransform`; `llm`'s store must hold its caches."""
+        """Query a vector store filled through `FusionKVTransform`; `llm.kv_store` must hold its caches."""
         return cls(
             retriever=FusionRAGRetriever.from_vector_store(
                 vector_store, embed_model=embed_model, similarity_top_k=similarity_top_k
@@ -89,10 +89,16 @@ class FusionRAGQueryEngine(CustomQueryEngine):
         """Answer `query_str` from the retrieved chunks, reusing their caches.
 
         Raises:
-            InvalidRequestError: the LLM's engine has no KV store to find chunk caches in.
+            InvalidRequestError: there is no KV store to find chunk caches in.
         """
+        store = self._store if self._store is not None else self.llm.kv_store
+        if store is None:
+            raise InvalidRequestError(
+                "FusionRAGQueryEngine has no KV store to find chunk caches in: build FusionRAGLLM(store=...) with the "
+                "store FusionKVTransform wrote to, or use FusionRAGQueryEngine.from_index(index)"
+            )
         nodes = self.retriever.retrieve(query_str)
-        stream = self.llm.stream_prompt(self._prompt(query_str, nodes))
+        stream = self.llm.stream_prompt(self._prompt(query_str, nodes), store=store)
         if not self.streaming:
             generation = stream.collect()
             return Response(clean_output(generation.text), source_nodes=nodes, metadata=generation_metadata(generation))
@@ -107,19 +113,10 @@ class FusionRAGQueryEngine(CustomQueryEngine):
         return StreamingResponse(response_gen=pieces(), source_nodes=nodes, metadata=metadata)
 
     def _prompt(self, question: str, nodes: list[NodeWithScore]) -> FusionPrompt:
-        engine = self.llm.engine
-        if self._store is not None:
-            # NOTE: as FusionIndex.answer does: the engine may have served another index since.
-            engine.store = self._store
-        if engine.store is None:
-            raise InvalidRequestError(
-                "the LLM's engine has no KV store, so no chunk cache can be found: build FusionRAGLLM(store=...) "
-                "with the store FusionKVTransform wrote to, or use FusionIndex.open(...), which attaches its store"
-            )
         # NOTE: the cache of a chunk was computed on its text without metadata; the same text here
         # gives the same token ids, which the engine checks before reusing a cache.
         chunks = [(n.node.node_id, n.node.get_content(metadata_mode=MetadataMode.NONE)) for n in nodes]
-        return engine.prompt(question, chunks=chunks)
+        return self.llm.engine.prompt(question, chunks=chunks)
 
 
 __all__ = ["FusionRAGQueryEngine"]

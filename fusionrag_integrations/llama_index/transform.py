@@ -51,7 +51,7 @@ class FusionKVTransform(TransformComponent):
 
     Example:
         >>> pipeline = IngestionPipeline(
-        ...     transformations=[SentenceSplitter(chunk_size=256), FusionKVTransform(llm), FusionRAGEmbedding()],
+        ...     transformations=[SentenceSplitter(chunk_size=256), FusionRAGEmbedding(), FusionKVTransform(llm)],
         ...     vector_store=ChromaVectorStore(chroma_collection=collection),
         ... )
         >>> pipeline.run(documents=documents)
@@ -83,7 +83,7 @@ class FusionKVTransform(TransformComponent):
 
         Args:
             engine: the engine (or a FusionRAGLLM, whose model then loads at the first batch).
-            store: where caches go; default the engine's store. Use one store per vector store
+            store: where caches go; default the LLM's `kv_store` (or the engine's store). Use one store per vector store
                 collection (a FusionIndex's store is not for this: its `verify` deletes other blobs).
             embed_model: ranks neighbours of nodes that carry no embedding yet (default
                 FusionRAGEmbedding; put the embed model before this step to embed only once).
@@ -121,7 +121,9 @@ class FusionKVTransform(TransformComponent):
         Raises:
             InvalidRequestError: neither the transform nor the engine has a store.
         """
-        store = self._store if self._store is not None else self.engine.store
+        store = self._store
+        if store is None:
+            store = self._engine.kv_store if isinstance(self._engine, FusionRAGLLM) else self._engine.store
         if store is None:
             raise InvalidRequestError(
                 "FusionKVTransform has no KV store to write caches to; pass store=open_store('./fusionrag-data/kv') "
