@@ -175,9 +175,8 @@ class FusionIndex:
         hits = self.search(question, k)
         if not hits:
             raise InvalidRequestError("the index holds no chunks; add documents with add_texts first")
-        # NOTE: caches are looked up in engine.store; re-point it in case the engine was shared with
-        # another index since (an engine serves one request at a time anyway).
-        self.engine.store = self.store
+        # NOTE: the store goes with the request, so one engine can serve several indexes at once.
+        generate_kwargs.setdefault("store", self.store)
         return self.engine.generate(self.prompt_for(question, hits), **generate_kwargs), hits
 
     def __len__(self) -> int:

@@ -31,6 +31,8 @@ QUESTION_TEMPLATE = "Question: {question}"
 
 # Private-use code points: they do not occur in ordinary text and no tokenizer merges across them.
 MARK_OPEN, MARK_SEP, MARK_CLOSE = "\ue000", "\ue001", "\ue002"
+MARK_CHARS = (MARK_OPEN, MARK_SEP, MARK_CLOSE)
+_MARK_DELETE = str.maketrans(dict.fromkeys(MARK_CHARS))
 _MARK_RE = re.compile(f"{MARK_OPEN}([^{MARK_SEP}{MARK_CLOSE}]*){MARK_SEP}(.*?){MARK_CLOSE}", re.DOTALL)
 _SENTINEL_CONTEXT, _SENTINEL_QUESTION = "\ue010CONTEXT\ue010", "\ue011QUESTION\ue011"
 
@@ -45,6 +47,29 @@ def mark_chunk(chunk_id: str, text: str) -> str:
 def strip_marks(text: str) -> str:
     """The text a reader (or another model) should see: marks removed, chunk text kept."""
     return _MARK_RE.sub(lambda m: m.group(2), text)
+
+
+def check_marks(text: str) -> None:
+    """Refuse text holding mark characters outside complete `mark_chunk` marks.
+
+    Raises:
+        InvalidRequestError: a broken mark (it would otherwise reach the tokenizer as text).
+    """
+    if any(c in strip_marks(text) for c in MARK_CHARS):
+        raise InvalidRequestError(
+            "the prompt holds a broken chunk mark (private-use characters U+E000-U+E002 outside a complete mark): "
+            "build context with mark_chunk/format_docs and do not cut or edit marked text; if a framework split "
+            "it, retrieve fewer or smaller chunks so they fit one prompt"
+        )
+
+
+def clean_output(text: str) -> str:
+    """`text` without mark characters.
+
+    NOTE: marks never reach the tokenizer, so a model can only emit these code points on its own;
+    they are removed anyway, because a later FusionRAG request would read them as chunk marks.
+    """
+    return text.translate(_MARK_DELETE)
 
 
 @dataclass(frozen=True)
@@ -162,6 +187,8 @@ class PromptLayout:
         """
         if not messages:
             raise InvalidRequestError("no messages: pass at least one user message")
+        for m in messages:
+            check_marks(m["content"])
         if self.has_template:
             text = str(self.tokenizer.apply_chat_template(
                 [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt))

@@ -12,10 +12,7 @@ from collections.abc import Sequence
 from langchain_core.messages import BaseMessage, convert_to_openai_messages
 
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.prompt import MARK_CLOSE, MARK_OPEN, MARK_SEP, strip_marks
-
-MARK_CHARS = (MARK_OPEN, MARK_SEP, MARK_CLOSE)
-_MARK_DELETE = str.maketrans(dict.fromkeys(MARK_CHARS))
+from fusionrag_core.prompt import MARK_CHARS, check_marks, clean_output
 
 
 def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
@@ -38,19 +35,9 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
                 f"a {message['role']} message holds {', '.join(kinds) or 'non-text'} content; FusionRAG models "
                 "read text only: pass text content"
             )
-        if any(c in strip_marks(content) for c in MARK_CHARS):
-            raise InvalidRequestError(
-                "a message holds a broken chunk mark (private-use characters U+E000-U+E002 outside a complete "
-                "mark); build context with format_docs/mark_chunk and do not cut or edit the marked text"
-            )
+        check_marks(content)
         out.append({"role": str(message["role"]), "content": content})
     return out
 
 
-def clean_output(text: str) -> str:
-    """`text` without the private-use mark characters of `fusionrag_core.prompt`.
-
-    NOTE: marks never reach the tokenizer, so a model can only emit these code points on its own;
-    they are removed anyway, because a later FusionRAG request would read them as chunk marks.
-    """
-    return text.translate(_MARK_DELETE)
+__all__ = ["MARK_CHARS", "clean_output", "to_chat_dicts"]

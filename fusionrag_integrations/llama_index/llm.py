@@ -30,11 +30,8 @@ from llama_index.core.llms.custom import CustomLLM
 from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.prompt import MARK_CLOSE, MARK_OPEN, MARK_SEP, FusionPrompt, strip_marks
+from fusionrag_core.prompt import FusionPrompt, check_marks, clean_output
 from fusionrag_core.store import KVStore, open_store
-
-_MARK_CHARS = (MARK_OPEN, MARK_SEP, MARK_CLOSE)
-_MARK_DELETE = str.maketrans(dict.fromkeys(_MARK_CHARS))
 
 # Per-call keyword arguments `complete`/`chat` accept (they override the LLM's fields for one call).
 GENERATION_KWARGS = frozenset({"max_new_tokens", "temperature", "top_p", "seed", "stop", "selector", "ratio"})
@@ -169,7 +166,7 @@ class FusionRAGLLM(CustomLLM):
                 messages.append({"role": "system", "content": self.system_prompt})
         messages.append({"role": "user", "content": prompt})
         for message in messages:
-            _check_marks(message["content"])
+            check_marks(message["content"])
         return self.engine.prompt_from_messages(messages)
 
     @llm_completion_callback()
@@ -228,30 +225,8 @@ def _message_dict(message: ChatMessage) -> dict[str, str]:
             "send text content"
         )
     content = message.content or ""
-    _check_marks(content)
+    check_marks(content)
     return {"role": message.role.value, "content": content}
-
-
-def _check_marks(text: str) -> None:
-    """Refuse text holding mark characters outside complete `mark_chunk` marks.
-
-    Raises:
-        InvalidRequestError: a broken mark (they would otherwise reach the tokenizer as text).
-    """
-    if any(c in strip_marks(text) for c in _MARK_CHARS):
-        raise InvalidRequestError(
-            "the prompt holds a broken chunk mark (private-use characters U+E000-U+E002 outside a complete mark): "
-            "LlamaIndex cut a marked node, which happens when the retrieved nodes do not fit one prompt; retrieve "
-            "fewer or smaller nodes (similarity_top_k, the splitter's chunk_size), and do not edit marked text"
-        )
-
-
-def clean_output(text: str) -> str:
-    """`text` without the private-use mark characters (a later request would read them as marks).
-
-    NOTE: marks never reach the tokenizer, so a model can only emit these code points on its own.
-    """
-    return text.translate(_MARK_DELETE)
 
 
 def _accumulate(stream: GenerationStream) -> Iterator[tuple[str, str, dict[str, Any]]]:
