@@ -8,14 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from fusionrag_core.forward import Decoder
-from fusionrag_core.kv import ChunkKV, KVBuffer
-from fusionrag_core.rope import shift_keys
-
-
-def _put_consecutive(decoder: Decoder, buf: KVBuffer, kv: ChunkKV) -> None:
-    start = buf.length
-    new_positions = torch.arange(start, start + kv.num_tokens, device=kv.keys.device)
-    buf.put(kv, shift_keys(kv.keys, new_positions - kv.positions.to(kv.keys.device), decoder.rope), start)
+from fusionrag_core.kv import ChunkKV
+from fusionrag_core.stitch import append_shifted
 
 
 def prefill_prefix(decoder: Decoder, prefix_ids: torch.Tensor, fingerprint: str) -> ChunkKV:
@@ -53,7 +47,7 @@ def prefill_chunk(
     if prefix is not None:
         buf.put(prefix, prefix.keys, 0)
     for n in neighbours:
-        _put_consecutive(decoder, buf, n)
+        append_shifted(decoder, buf, n)
     slots = buf.reserve(torch.arange(context, context + token_ids.shape[0], device=decoder.device), valid=False)
     decoder.forward(buf, token_ids, slots, logits=False)
     keys, values = buf.slice(slots)  # [L, H, T, D]

@@ -62,6 +62,14 @@ class Stitched:
         return self.slot_tokens[self.question_slots]
 
 
+def append_shifted(decoder: Decoder, buf: KVBuffer, kv: ChunkKV) -> torch.Tensor:
+    """Append `kv` at the next consecutive positions of `buf`, its keys re-rotated to them; returns its slots `[T]`."""
+    start = buf.length
+    new_positions = torch.arange(start, start + kv.num_tokens, device=kv.keys.device)
+    keys = shift_keys(kv.keys, new_positions - kv.positions.to(kv.keys.device), decoder.rope)  # [L, H, T, D]
+    return buf.put(kv, keys, start)
+
+
 def stitch(
     decoder: Decoder,
     prompt: FusionPrompt,
@@ -100,9 +108,7 @@ def stitch(
         if kv is None:
             forced.append(buf.reserve(torch.arange(start, start + seg.num_tokens, device=device), valid=False))
             continue
-        new_positions = torch.arange(start, start + kv.num_tokens, device=kv.keys.device)
-        keys = shift_keys(kv.keys, new_positions - kv.positions.to(kv.keys.device), decoder.rope)  # [L, H, T, D]
-        chunk_slots.append(buf.put(kv, keys, start))
+        chunk_slots.append(append_shifted(decoder, buf, kv))
         loaded += kv.nbytes
         variants[kv.variant] = variants.get(kv.variant, 0) + 1
     q_len = int(prompt.question.shape[0])
