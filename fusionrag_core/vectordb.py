@@ -161,8 +161,12 @@ def open_client(config: VectorDBConfig) -> chromadb.ClientAPI:
         FusionRAGError: the server does not answer (the message says how to start one).
     """
     if config.url is None:
-        Path(config.path).mkdir(parents=True, exist_ok=True)
-        return chromadb.PersistentClient(path=config.path, settings=_settings())
+        # NOTE: Chroma caches one system per path *string* for the life of the process, so a relative
+        # path opened again after a chdir would reuse the first directory's system against the new
+        # directory's files (seen as "no such table: embeddings"). An absolute path names one database.
+        path = Path(config.path).expanduser().resolve()
+        path.mkdir(parents=True, exist_ok=True)
+        return chromadb.PersistentClient(path=str(path), settings=_settings())
     host, port, ssl = _parse_url(config.url)
     try:
         client = chromadb.HttpClient(host=host, port=port, ssl=ssl, settings=_settings())

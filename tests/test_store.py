@@ -360,6 +360,14 @@ def test_store_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
         DiskKVStore(f)
 
 
+def test_relative_store_root_is_fixed_at_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    store = DiskKVStore("kv")
+    monkeypatch.chdir(tmp_path.parent)  # a later chdir must not move the store
+    assert store.root == (tmp_path / "kv").resolve()
+    assert store.path_for("ab" * 16, "independent").is_relative_to(tmp_path.resolve())
+
+
 def test_bad_storage_dtype_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequestError, match="float16"):
         DiskKVStore(tmp_path, storage_dtype="int8")  # type: ignore[arg-type]

@@ -202,6 +202,20 @@ def test_add_chunks_validation(tmp_path: Path, ef: EmbeddingFn) -> None:
     assert query_neighbours(col, [0.0] * 384, 0) == []
 
 
+def test_same_relative_path_in_two_directories_is_two_databases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ef: EmbeddingFn
+) -> None:
+    # NOTE: regression: Chroma caches a system per path string, so "./db" opened again after a chdir
+    # used to reach the first directory's system and fail with "no such table: embeddings".
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        col = open_collection(VectorDBConfig(path="./db", collection=f"rel-{name}"), ef)
+        add_chunks(col, [name], [f"the {name} chunk"])
+        assert all_ids(col) == {name}
+        assert (tmp_path / name / "db" / "chroma.sqlite3").is_file()
+
+
 class HashEmbedding(EmbeddingFunction[Documents]):
     """A cheap deterministic 8-d embedding, for tests that do not need semantics."""
 

@@ -43,7 +43,8 @@ class DiskKVStore(KVStore):
 
     def __init__(self, root: Path | str, storage_dtype: StorageDType = "float16") -> None:
         super().__init__(storage_dtype)
-        self.root = Path(root)
+        # NOTE: resolved once, so a later chdir does not move the store under a running process.
+        self.root = Path(root).expanduser().resolve()
         if self.root.exists() and not self.root.is_dir():
             raise InvalidRequestError(
                 f"KV store path {self.root} is a file; pass a directory (it is created if missing)"
