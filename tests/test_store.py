@@ -258,7 +258,7 @@ def test_disk_blob_is_plain_safetensors_with_metadata(tmp_path: Path) -> None:
         assert f.get_tensor("keys").dtype == torch.float16
     assert meta["fingerprint"] == FP and meta["variant"] == "independent"
     assert meta["storage_dtype"] == "float16" and meta["source_dtype"] == "float32"
-    assert meta["checksum"].startswith("sha256:") and meta["format_version"] == "1"
+    assert meta["checksum"].startswith("xxh3_128:") and meta["format_version"] == "1"
     assert meta["shape"] == "[2, 3, 5, 8]"
 
 
@@ -332,6 +332,28 @@ def test_no_single_byte_flip_goes_unnoticed(tmp_path: Path) -> None:
     raw[good.index(FP.encode())] ^= 0x01  # 'f' -> 'g': still valid JSON, but another "model"
     path.write_bytes(bytes(raw))
     with pytest.raises(CacheCorruptError, match="checksum"):
+        store.get("ab12", "independent", fingerprint=FP)
+
+
+def test_blob_with_earlier_sha256_checksum_still_reads(tmp_path: Path) -> None:
+    from safetensors.torch import load, save
+
+    from fusionrag_core.store import base
+
+    store = DiskKVStore(tmp_path, storage_dtype="float32")
+    kv = make_kv()
+    store.put("ab12", kv)
+    path = store.path_for("ab12", "independent")
+    raw = path.read_bytes()
+    meta = dict(base._read_header_metadata(raw, "test"))
+    tensors = load(raw)
+    meta["checksum"] = base._checksum(tensors, meta, "sha256")  # what format 1 wrote before xxh3
+    path.write_bytes(save(tensors, metadata=meta))
+    assert torch.equal(store.get("ab12", "independent", fingerprint=FP).keys, kv.keys)
+
+    meta["checksum"] = "md5:" + meta["checksum"].partition(":")[2]
+    path.write_bytes(save(tensors, metadata=meta))
+    with pytest.raises(CacheCorruptError, match="unknown checksum algorithm"):
         store.get("ab12", "independent", fingerprint=FP)
 
 
