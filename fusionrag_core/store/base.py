@@ -28,6 +28,7 @@ from typing import Any, Literal, get_args
 
 import torch
 import xxhash
+from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -250,6 +251,58 @@ def decode_blob(
             version this code does not read.
     """
     meta = _read_header_metadata(blob, source)
+    _check_format(meta, source)
+    try:
+        tensors = st_load(blob)
+    except Exception as e:  # NOTE: safetensors raises its own SafetensorError (and others) on bad data.
+        raise _corrupt(source, f"unreadable tensors ({e})") from e
+    return _validated(meta, tensors, source=source, chunk_id=chunk_id, variant=variant, fingerprint=fingerprint,
+                      shape=shape, device=device, dtype=dtype)
+
+
+def decode_file(
+    path: Path,
+    *,
+    chunk_id: str,
+    variant: Variant,
+    fingerprint: str,
+    shape: tuple[int, int, int] | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> ChunkKV:
+    """`decode_blob` for a blob in a file, memory-mapped instead of read.
+
+    NOTE: reading the file and then parsing it copies every byte twice before the checksum reads
+    them a third time; mapped, the checksum's read pages the bytes in and the move to the caller's
+    device/dtype is the only copy. Blobs are replaced by rename, never rewritten in place, so a
+    mapping always sees one complete file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CacheCorruptError / CacheMismatchError: as `decode_blob`.
+    """
+    source = f"file {path}"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not iterable)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise CacheCorruptError(
+            f"KV cache file {path} cannot be read ({e}); fix its permissions, or delete it and re-run "
+            "ingest (or verify) to recompute it"
+        ) from e
+    except Exception as e:  # NOTE: SafetensorError (and others) on a truncated or garbled file.
+        raise _corrupt(source, f"unreadable ({e})") from e
+    if not isinstance(meta, dict):
+        raise _corrupt(source, "header has no fusionrag metadata")
+    _check_format(meta, source)
+    return _validated(meta, tensors, source=source, chunk_id=chunk_id, variant=variant, fingerprint=fingerprint,
+                      shape=shape, device=device, dtype=dtype)
+
+
+def _check_format(meta: dict[str, str], source: str) -> None:
     if meta.get("format") != FORMAT_NAME:
         raise _corrupt(source, f"not a fusionrag KV blob (format={meta.get('format')!r})")
     version = meta.get("format_version", "")
@@ -261,10 +314,21 @@ def decode_blob(
             f"KV cache {source} has format version {meta.get('format_version')!r}, this fusionrag reads "
             f"version {FORMAT_VERSION}; re-ingest with this version (or upgrade fusionrag)"
         )
-    try:
-        tensors = st_load(blob)
-    except Exception as e:  # NOTE: safetensors raises its own SafetensorError (and others) on bad data.
-        raise _corrupt(source, f"unreadable tensors ({e})") from e
+
+
+def _validated(
+    meta: dict[str, str],
+    tensors: dict[str, torch.Tensor],
+    *,
+    source: str,
+    chunk_id: str,
+    variant: Variant,
+    fingerprint: str,
+    shape: tuple[int, int, int] | None,
+    device: torch.device | str,
+    dtype: torch.dtype | None,
+) -> ChunkKV:
+    """The cache in a parsed blob, after every check `decode_blob` documents."""
     if set(tensors) != set(_TENSOR_NAMES):
         raise _corrupt(source, f"expected tensors {sorted(_TENSOR_NAMES)}, found {sorted(tensors)}")
     # NOTE: checksum first: past this point every field is what the writer wrote, so the checks

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from fusionrag_core.errors import CacheCorruptError, CacheNotFoundError, InvalidRequestError
+from fusionrag_core.errors import CacheNotFoundError, InvalidRequestError
 from fusionrag_core.kv import VARIANTS, ChunkKV, Variant
 from fusionrag_core.store.base import (
     KVStore,
     StorageDType,
-    decode_blob,
+    decode_file,
     encode_blob,
     validate_chunk_id,
     validate_variant,
@@ -91,27 +91,13 @@ class DiskKVStore(KVStore):
     ) -> ChunkKV:
         path = self.path_for(chunk_id, variant)
         try:
-            blob = path.read_bytes()
+            return decode_file(path, chunk_id=chunk_id, variant=variant, fingerprint=fingerprint, shape=shape,
+                               device=device, dtype=dtype)
         except FileNotFoundError:
             raise CacheNotFoundError(
                 f"no {variant} KV cache for chunk {chunk_id} in {self.root} (expected {path}); "
                 "run ingest for its document, or check the store path"
             ) from None
-        except OSError as e:
-            raise CacheCorruptError(
-                f"KV cache file {path} cannot be read ({e}); fix its permissions, or delete it and re-run "
-                "ingest (or verify) to recompute it"
-            ) from e
-        return decode_blob(
-            blob,
-            source=f"file {path}",
-            chunk_id=chunk_id,
-            variant=variant,
-            fingerprint=fingerprint,
-            shape=shape,
-            device=device,
-            dtype=dtype,
-        )
 
     def has(self, chunk_id: str, variant: Variant) -> bool:
         return self.path_for(chunk_id, variant).is_file()
