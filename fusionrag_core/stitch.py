@@ -17,8 +17,9 @@ from fusionrag_core.kv import ChunkKV, KVBuffer
 from fusionrag_core.prompt import FusionPrompt
 from fusionrag_core.rope import shift_keys
 
-# Looks up a chunk's cache by id; returns None when there is none (the chunk is then prefilled).
-CacheLookup = Callable[[str], ChunkKV | None]
+# Looks up a chunk's cache by id, told whether the chunk comes first (right after the prefix, where
+# its independent cache is exact); returns None when there is none (the chunk is then prefilled).
+CacheLookup = Callable[[str, bool], ChunkKV | None]
 
 
 @dataclass
@@ -84,7 +85,7 @@ def stitch(
         decoder: the model pass (gives buffer shape, RoPE tables, dtype, device).
         prompt: the request.
         prefix: the prefix's exact cache at positions `0..P-1` (None when the prompt has no prefix).
-        lookup: chunk id -> cache or None.
+        lookup: (chunk id, comes first) -> cache or None.
         extra_capacity: slots to leave for generated tokens.
     """
     device = decoder.device
@@ -97,9 +98,10 @@ def stitch(
     loaded = 0
     misses: dict[str, str] = {}
     variants: dict[str, int] = {}
+    context_start = buf.length
     for seg in prompt.segments:
         start = buf.length
-        kv = lookup(seg.chunk_id) if seg.chunk_id else None
+        kv = lookup(seg.chunk_id, start == context_start) if seg.chunk_id else None
         if kv is not None and not torch.equal(kv.token_ids.cpu(), seg.token_ids.cpu()):
             misses[seg.chunk_id or ""] = "cached token ids differ from the prompt's text"
             kv = None

@@ -132,6 +132,35 @@ def test_fused_after_one_neighbour_at_ratio_zero_equals_full_prefill(tiny_engine
     assert (approx.first_token_logits - ref).abs().max().item() > 1e-4
 
 
+def test_first_chunk_reuses_its_exact_independent_cache(tiny_engine: FusionEngine, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    from fusionrag_core.engine import EngineConfig
+    from fusionrag_core.store import DiskKVStore
+
+    store = DiskKVStore(tmp_path / "kv", storage_dtype="float32")
+    independent = {f"c{i}": tiny_engine.chunk_cache(text) for i, text in enumerate(CHUNKS[:2])}
+    store.put("c0", independent["c0"])
+    store.put("c1", independent["c1"])
+    store.put("c0", tiny_engine.chunk_cache(CHUNKS[0], neighbours=[independent["c1"]]))  # fused
+    store.put("c1", tiny_engine.chunk_cache(CHUNKS[1], neighbours=[independent["c0"]]))  # fused
+    prompt = prompt_for(tiny_engine, CHUNKS[:2])
+    ref = reference_logits(tiny_engine, prompt.token_ids())
+
+    # c0 right after the prefix: independent (exact there); c1 after c0: fused, its neighbour c0 in
+    # front, which is again what full attention computes.
+    gen = tiny_engine.generate(prompt, store=store, selector="none")
+    assert gen.cache_variants == {"independent": 1, "fused": 1}
+    assert (gen.first_token_logits - ref).abs().max().item() < 1e-3
+
+    paper = FusionEngine(tiny_engine.model, tiny_engine.tokenizer,
+                         config=replace(tiny_engine.config, exact_first_chunk=False))
+    fused_first = paper.generate(prompt, store=store, selector="none")
+    assert fused_first.cache_variants == {"fused": 2}
+    assert (fused_first.first_token_logits - ref).abs().max().item() > 1e-4
+    assert EngineConfig().exact_first_chunk
+
+
 def test_layer0_keys_shift_to_where_they_would_be_computed(tiny_engine: FusionEngine) -> None:
     # Layer-0 keys depend only on token and position: a chunk cached after a short prefix and
     # shifted must equal the same chunk prefilled after a longer one.
@@ -149,7 +178,8 @@ def test_layer0_keys_shift_to_where_they_would_be_computed(tiny_engine: FusionEn
 def _stitched(engine: FusionEngine, chunks: list[str], caches: dict[str, object] | None = None):  # type: ignore[no-untyped-def]
     prompt = prompt_for(engine, chunks)
     caches = caches or independent_caches(engine, chunks)
-    return stitch(engine.decoder, prompt, engine.prefix_cache(prompt.prefix), caches.get, extra_capacity=1)  # type: ignore[arg-type]
+    return stitch(engine.decoder, prompt, engine.prefix_cache(prompt.prefix), lambda cid, _first: caches.get(cid),
+                  extra_capacity=1)
 
 
 def test_selectors_are_deterministic_and_respect_the_budget(tiny_engine: FusionEngine) -> None:

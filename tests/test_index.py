@@ -108,7 +108,8 @@ def test_wrong_model_blob_is_refused_at_query_and_repaired_by_verify(engine: Fus
     index = FusionIndex.open(engine, tmp_path, config=CONFIG)
     index.add_texts([LIGHTHOUSE, BIRTH])
     (victim,) = [h.chunk_id for h in index.search("lighthouse designed", 1)]
-    good = index.store.get(victim, "fused", fingerprint=engine.fingerprint)
+    # NOTE: a one-chunk answer reads the chunk's independent cache (exact right after the prefix).
+    good = index.store.get(victim, "independent", fingerprint=engine.fingerprint)
     index.store.put(victim, replace(good, fingerprint="f" * 32))
     with pytest.raises(CacheMismatchError, match="re-ingest"):
         index.answer("Who designed the Lumen lighthouse?", k=1, sampling=SamplingConfig(max_new_tokens=1))
