@@ -8,6 +8,7 @@ invalid slots: they are computed by the recompute pass, never attended to before
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,20 @@ from fusionrag_core.rope import shift_keys
 # Looks up a chunk's cache by id, told whether the chunk comes first (right after the prefix, where
 # its independent cache is exact); returns None when there is none (the chunk is then prefilled).
 CacheLookup = Callable[[str, bool], ChunkKV | None]
+
+
+def prefetch(prompt: FusionPrompt, lookup: CacheLookup, pool: Executor) -> CacheLookup:
+    """Start every chunk's lookup at once on `pool`; the returned lookup waits for each result.
+
+    NOTE: a lookup is file or network I/O, a checksum pass and a host-to-device copy, which all
+    release the GIL, so a prompt's chunks load concurrently instead of one after another. Errors
+    surface when `stitch` asks for that chunk, in prompt order, as without prefetching.
+    """
+    futures: dict[tuple[str, bool], Future[ChunkKV | None]] = {}
+    for i, seg in enumerate(prompt.segments):
+        if seg.chunk_id and (seg.chunk_id, i == 0) not in futures:
+            futures[(seg.chunk_id, i == 0)] = pool.submit(lookup, seg.chunk_id, i == 0)
+    return lambda chunk_id, first: futures[(chunk_id, first)].result()
 
 
 @dataclass
@@ -98,10 +113,9 @@ def stitch(
     loaded = 0
     misses: dict[str, str] = {}
     variants: dict[str, int] = {}
-    context_start = buf.length
-    for seg in prompt.segments:
+    for i, seg in enumerate(prompt.segments):
         start = buf.length
-        kv = lookup(seg.chunk_id, start == context_start) if seg.chunk_id else None
+        kv = lookup(seg.chunk_id, i == 0) if seg.chunk_id else None
         if kv is not None and not torch.equal(kv.token_ids.cpu(), seg.token_ids.cpu()):
             misses[seg.chunk_id or ""] = "cached token ids differ from the prompt's text"
             kv = None

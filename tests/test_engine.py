@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,8 +134,6 @@ def test_fused_after_one_neighbour_at_ratio_zero_equals_full_prefill(tiny_engine
 
 
 def test_first_chunk_reuses_its_exact_independent_cache(tiny_engine: FusionEngine, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from dataclasses import replace
-
     from fusionrag_core.engine import EngineConfig
     from fusionrag_core.store import DiskKVStore
 
@@ -159,6 +158,34 @@ def test_first_chunk_reuses_its_exact_independent_cache(tiny_engine: FusionEngin
     assert fused_first.cache_variants == {"fused": 2}
     assert (fused_first.first_token_logits - ref).abs().max().item() > 1e-4
     assert EngineConfig().exact_first_chunk
+
+
+def test_chunk_caches_load_concurrently(tiny_engine: FusionEngine, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    from fusionrag_core.engine import EngineConfig
+    from fusionrag_core.store import DiskKVStore
+
+    class MeetingStore(DiskKVStore):
+        """Each get waits until all three chunks' gets are in flight at once (or fails after 10 s)."""
+
+        def __init__(self, root: Path) -> None:
+            super().__init__(root, storage_dtype="float32")
+            self.barrier = threading.Barrier(3, timeout=10)
+
+        def get(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self.barrier.wait()
+            return super().get(*args, **kwargs)
+
+    store = MeetingStore(tmp_path / "kv")
+    for i, text in enumerate(CHUNKS[:3]):
+        store.put(f"c{i}", tiny_engine.chunk_cache(text))
+    prompt = prompt_for(tiny_engine, CHUNKS[:3])
+    gen = tiny_engine.generate(prompt, store=store, selector="none", variant="independent",
+                               sampling=SamplingConfig(max_new_tokens=1))
+    assert gen.reused_tokens == sum(s.num_tokens for s in prompt.segments) and not gen.cache_misses
+    with pytest.raises(InvalidRequestError, match="load_workers"):
+        EngineConfig(load_workers=0)
 
 
 def test_layer0_keys_shift_to_where_they_would_be_computed(tiny_engine: FusionEngine) -> None:
