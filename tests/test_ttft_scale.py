@@ -1,0 +1,37 @@
+"""scripts/ttft_scale.py (the GPU TTFT-at-scale probe) runs end to end on CPU with a tiny shape."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ttft_scale.py"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_ttft_scale_tiny_on_cpu(tokenizer: PreTrainedTokenizerBase, tmp_path: Path,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.util.spec_from_file_location("ttft_scale", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ttft_scale", script)  # NOTE: dataclasses look their module up
+    spec.loader.exec_module(script)
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(str(tokenizer_dir))
+    out = tmp_path / "out"
+    script.main(["--tokenizer", str(tokenizer_dir), "--out", str(out), "--shapes", "tiny", "--tokens", "256,512",
+                 "--chunk-tokens", "128", "--repeats", "1", "--device", "cpu"])
+    doc = json.loads((out / "ttft_scale.json").read_text())
+    check, *timed = doc["results"]
+    assert check["ratio_1_check"]["kl"] < 1e-6 and check["ratio_1_check"]["same_argmax"] == 1.0
+    assert [r["tokens"] > n for r, n in zip(timed, (256, 512), strict=True)] == [True, True]
+    for r in timed:
+        assert set(r["ttft_s"]) == {"full_attention", "full_reuse", "query_guided@0.15", "cacheblend@0.15",
+                                    "query_guided@0.15 (disk)"}
+        assert all(t > 0 for t in r["ttft_s"].values())
+    assert "| tiny |" in (out / "ttft_scale.md").read_text()
