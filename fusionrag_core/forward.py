@@ -193,30 +193,16 @@ class Decoder:
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                 blocks: list[tuple[int, int, int]] | None) -> torch.Tensor:
         """SDPA of `q` `[1, Hq, N, D]` over `keys`/`values` `[1, H, S, D]` (GQA without copying K/V)."""
+        gqa = self.num_heads != self.num_kv_heads
         if mask is None:
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scaling,
-                                                  enable_gqa=self.num_heads != self.num_kv_heads)
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scaling, enable_gqa=gqa)
         if blocks is None:
-            return self._attend_masked(q, keys, values, mask)
-        return torch.cat([self._attend_masked(q[:, :, r0:r1], keys[:, :, :lim], values[:, :, :lim], mask[r0:r1, :lim])
-                          for r0, r1, lim in blocks], dim=2)
-
-    def _attend_masked(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
-        """Masked SDPA with each KV head's query group folded into the query axis.
-
-        NOTE: `enable_gqa` has no memory-efficient CUDA kernel, so a masked GQA call falls back to
-        the math kernel, which materialises every score. Folding the G query heads that share a KV
-        head into the query axis (`[1, H, G*N, D]`, mask repeated G times) is the same attention
-        with plain multi-head shapes, which every SDPA backend takes; K/V are still not copied.
-        """
-        H, G = self.num_kv_heads, self.num_heads // self.num_kv_heads
-        _, Hq, N, D = q.shape
-        if G == 1:
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
-        folded = q.reshape(1, H, G * N, D)  # query head h uses kv head h // G
-        o = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask.repeat(G, 1), scale=self.scaling)
-        return o.reshape(1, Hq, N, D)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
+        return torch.cat([
+            F.scaled_dot_product_attention(q[:, :, r0:r1], keys[:, :, :lim], values[:, :, :lim],
+                                           attn_mask=mask[r0:r1, :lim], scale=self.scaling, enable_gqa=gqa)
+            for r0, r1, lim in blocks
+        ], dim=2)
 
     def _attention_mass(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention probability each key slot receives, summed over heads and queries.
