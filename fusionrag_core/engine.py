@@ -350,7 +350,8 @@ class FusionEngine:
             prompt.prefix.cpu(), self.layout.prefix_ids(self.config.instruction))
         lookup = self._lookup(caches, variant or self.config.cache_variant, store or self.store,
                               exact_first=exact_first)
-        return GenerationStream(self._run(prompt, sampling, name, select_fn, select_config, lookup))
+        return GenerationStream(self._run(prompt, sampling, name, select_fn, select_config, lookup,
+                                          in_memory=caches or {}))
 
     def full_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None) -> GenerationStream:
         """The baseline: a plain prefill of every prompt token from position 0, no cache reused."""
@@ -379,10 +380,11 @@ class FusionEngine:
         lookup: CacheLookup,
         *,
         use_prefix: bool = True,
+        in_memory: Mapping[str, ChunkKV] | None = None,
     ) -> Iterator[str | Generation]:
         start = time.perf_counter()
         if use_prefix:
-            lookup = prefetch(prompt, lookup, self._loader)
+            lookup = prefetch(prompt, lookup, self._loader, inline=in_memory or {})
             prefix = self.prefix_cache(prompt.prefix)
             st = stitch(self.decoder, prompt, prefix, lookup, extra_capacity=sampling.max_new_tokens)
         else:  # full attention: everything, prefix included, is computed in one causal pass

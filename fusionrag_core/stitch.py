@@ -7,7 +7,7 @@ invalid slots: they are computed by the recompute pass, never attended to before
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
@@ -23,18 +23,27 @@ from fusionrag_core.rope import shift_keys
 CacheLookup = Callable[[str, bool], ChunkKV | None]
 
 
-def prefetch(prompt: FusionPrompt, lookup: CacheLookup, pool: Executor) -> CacheLookup:
-    """Start every chunk's lookup at once on `pool`; the returned lookup waits for each result.
+def prefetch(prompt: FusionPrompt, lookup: CacheLookup, pool: Executor, *,
+             inline: Container[str] = ()) -> CacheLookup:
+    """Start the lookups of the prompt's chunks at once on `pool`; the returned lookup waits for each.
 
-    NOTE: a lookup is file or network I/O, a checksum pass and a host-to-device copy, which all
-    release the GIL, so a prompt's chunks load concurrently instead of one after another. Errors
-    surface when `stitch` asks for that chunk, in prompt order, as without prefetching.
+    NOTE: a store lookup is file or network I/O, a checksum pass and a host-to-device copy, which
+    all release the GIL, so a prompt's chunks load concurrently instead of one after another.
+    Chunks in `inline` (already in memory) are looked up on the caller's thread when asked for:
+    handing a few microseconds of work to a pool costs more (GIL hand-offs) than it saves.
+    Errors surface when `stitch` asks for that chunk, in prompt order, as without prefetching.
     """
     futures: dict[tuple[str, bool], Future[ChunkKV | None]] = {}
     for i, seg in enumerate(prompt.segments):
-        if seg.chunk_id and (seg.chunk_id, i == 0) not in futures:
-            futures[(seg.chunk_id, i == 0)] = pool.submit(lookup, seg.chunk_id, i == 0)
-    return lambda chunk_id, first: futures[(chunk_id, first)].result()
+        key = (seg.chunk_id or "", i == 0)
+        if seg.chunk_id and seg.chunk_id not in inline and key not in futures:
+            futures[key] = pool.submit(lookup, *key)
+
+    def wait(chunk_id: str, first: bool) -> ChunkKV | None:
+        future = futures.get((chunk_id, first))
+        return future.result() if future is not None else lookup(chunk_id, first)
+
+    return wait
 
 
 @dataclass

@@ -184,6 +184,19 @@ def test_chunk_caches_load_concurrently(tiny_engine: FusionEngine, tmp_path) -> 
     gen = tiny_engine.generate(prompt, store=store, selector="none", variant="independent",
                                sampling=SamplingConfig(max_new_tokens=1))
     assert gen.reused_tokens == sum(s.num_tokens for s in prompt.segments) and not gen.cache_misses
+
+    class RecordingDict(dict):  # type: ignore[type-arg]
+        def __init__(self, *args: object) -> None:
+            super().__init__(*args)
+            self.threads: set[str] = set()
+
+        def __getitem__(self, key: str) -> object:
+            self.threads.add(threading.current_thread().name)
+            return super().__getitem__(key)
+
+    in_memory = RecordingDict(independent_caches(tiny_engine, CHUNKS[:3]))
+    tiny_engine.generate(prompt, caches=in_memory, selector="none", sampling=SamplingConfig(max_new_tokens=1))
+    assert in_memory.threads == {threading.current_thread().name}  # in-memory caches: no pool hand-off
     with pytest.raises(InvalidRequestError, match="load_workers"):
         EngineConfig(load_workers=0)
 
