@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from fusionrag_core.decode import SamplingConfig
@@ -212,7 +213,11 @@ class FusionRAGModelFields(BaseModel):
         assert stream.result is not None  # NOTE: set by GenerationStream once exhausted.
         yield stream.result
 
-    def identifying_params(self) -> dict[str, Any]:
+    # ---- LangChain overrides shared by both models ----------------------------------------------
+    # NOTE: this mixin comes before BaseChatModel / LLM in their bases, so these override those
+    # classes' versions and super() reaches them.
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
         """What distinguishes this model's answers (LangChain's cache key and tracing)."""
         return {
             "model_name": self.model_name,
@@ -227,13 +232,12 @@ class FusionRAGModelFields(BaseModel):
             "full_attention": self.full_attention,
         }
 
-    def ls_overrides(self, stop: Sequence[str] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """The LangSmith parameters the base classes cannot derive (provider, model name, stop)."""
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        """LangSmith parameters: the base class's, plus provider, model name and default stop."""
+        params: LangSmithParams = super()._get_ls_params(stop=stop, **kwargs)  # type: ignore[misc]
         model = kwargs.get("model")
-        params: dict[str, Any] = {
-            "ls_provider": PROVIDER,
-            "ls_model_name": model if isinstance(model, str) else self.model_name,
-        }
+        params["ls_provider"] = PROVIDER
+        params["ls_model_name"] = model if isinstance(model, str) else self.model_name
         if not stop and self.stop:
             params["ls_stop"] = list(self.stop)
         return params

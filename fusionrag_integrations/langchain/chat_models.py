@@ -13,7 +13,7 @@ from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.documents import Document
-from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models import BaseChatModel
 from langchain_core.language_models.chat_models import generate_from_stream
 from langchain_core.messages import AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.messages.ai import UsageMetadata
@@ -60,15 +60,6 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
     @property
     def _llm_type(self) -> str:
         return "fusionrag-chat"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return self.identifying_params()
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = super()._get_ls_params(stop=stop, **kwargs)
-        params.update(self.ls_overrides(stop, kwargs))  # type: ignore[typeddict-item]
-        return params
 
     def fusion_prompt(self, messages: list[BaseMessage], documents: Sequence[Document] | None = None) -> FusionPrompt:
         """The engine request `invoke(messages, documents=documents)` runs.

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import LLM, LangSmithParams
+from langchain_core.language_models import LLM
 from langchain_core.messages import HumanMessage
 from langchain_core.outputs import GenerationChunk, LLMResult
 from langchain_core.runnables.config import run_in_executor
@@ -33,15 +33,6 @@ class FusionRAGLLM(FusionRAGModelFields, LLM):
     @property
     def _llm_type(self) -> str:
         return "fusionrag"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return self.identifying_params()
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = super()._get_ls_params(stop=stop, **kwargs)
-        params.update(self.ls_overrides(stop, kwargs))  # type: ignore[typeddict-item]
-        return params
 
     def _generate(
         self,
