@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,6 +178,9 @@ class FusionEngine:
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         self._prefix_lock = threading.Lock()  # integrations serve requests from several threads
         self._loader = ThreadPoolExecutor(self.config.load_workers, thread_name_prefix="fusionrag-load")
+        # NOTE: the prefix every chunk cache is computed after (see `chunk_cache`): a prompt that
+        # starts with it has an exact independent cache for its first chunk.
+        self._canonical_prefix = self.layout.prefix_ids(self.config.instruction)
         self.eos_ids = self._eos_ids()
 
     @classmethod
@@ -346,12 +349,11 @@ class FusionEngine:
         name = selector or self.config.selector
         select_fn = get_selector(name)
         self._check_length(prompt, sampling)
-        exact_first = self.config.exact_first_chunk and torch.equal(
-            prompt.prefix.cpu(), self.layout.prefix_ids(self.config.instruction))
+        exact_first = self.config.exact_first_chunk and torch.equal(prompt.prefix.cpu(), self._canonical_prefix)
         lookup = self._lookup(caches, variant or self.config.cache_variant, store or self.store,
                               exact_first=exact_first)
         return GenerationStream(self._run(prompt, sampling, name, select_fn, select_config, lookup,
-                                          in_memory=caches or {}))
+                                          in_memory=caches or ()))
 
     def full_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None) -> GenerationStream:
         """The baseline: a plain prefill of every prompt token from position 0, no cache reused."""
@@ -380,11 +382,11 @@ class FusionEngine:
         lookup: CacheLookup,
         *,
         use_prefix: bool = True,
-        in_memory: Mapping[str, ChunkKV] | None = None,
+        in_memory: Container[str] = (),
     ) -> Iterator[str | Generation]:
         start = time.perf_counter()
         if use_prefix:
-            lookup = prefetch(prompt, lookup, self._loader, inline=in_memory or {})
+            lookup = prefetch(prompt, lookup, self._loader, inline=in_memory)
             prefix = self.prefix_cache(prompt.prefix)
             st = stitch(self.decoder, prompt, prefix, lookup, extra_capacity=sampling.max_new_tokens)
         else:  # full attention: everything, prefix included, is computed in one causal pass
