@@ -299,10 +299,8 @@ class FusionEngine:
             # NOTE: a fused cache is preferred; the independent one is the next best thing, and the
             # best one for the first chunk (see EngineConfig.exact_first_chunk).
             order: tuple[Variant, ...] = (variant,)
-            if variant == "fused" and first and exact_first:
-                order = ("independent", "fused")
-            elif variant == "fused":
-                order = ("fused", "independent")
+            if variant == "fused":
+                order = ("independent", "fused") if first and exact_first else ("fused", "independent")
             for v in order:
                 try:
                     return store.get(chunk_id, v, fingerprint=self.fingerprint, shape=self.kv_shape,

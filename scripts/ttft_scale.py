@@ -40,6 +40,7 @@ from fusionrag_core.bench.metrics import first_token_kl
 from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.kv import ChunkKV
+from fusionrag_core.prompt import FusionPrompt
 from fusionrag_core.store import DiskKVStore
 
 
@@ -81,24 +82,22 @@ def build_engine(shape: Shape, tokenizer_dir: Path, max_tokens: int, device: str
     return FusionEngine(model, tokenizer, name=f"random-llama({shape.hidden}x{shape.layers})")
 
 
-def chunk_token_ids(engine: FusionEngine, total: int, chunk_tokens: int, seed: int) -> list[torch.Tensor]:
-    """Random ordinary (non-special) token ids, `total // chunk_tokens` chunks of `chunk_tokens`."""
-    special = set(engine.tokenizer.all_special_ids)
-    g = torch.Generator().manual_seed(seed)
-    vocab = len(engine.tokenizer)
-    chunks = []
-    for _ in range(max(1, total // chunk_tokens)):
-        ids = torch.randint(1000, vocab, (chunk_tokens,), generator=g)
-        assert not any(int(t) in special for t in ids)
-        chunks.append(ids)  # [T]
-    return chunks
+def build_request(engine: FusionEngine, total: int, chunk_tokens: int) -> tuple[FusionPrompt, dict[str, ChunkKV]]:
+    """A prompt of `total // chunk_tokens` chunks of random ordinary (non-special) token ids, and
+    their independent caches. The same `total` gives the same chunks."""
+    special = torch.tensor(sorted(engine.tokenizer.all_special_ids))
+    g = torch.Generator().manual_seed(total)
+    chunks = [torch.randint(1000, len(engine.tokenizer), (chunk_tokens,), generator=g)  # [T]
+              for _ in range(max(1, total // chunk_tokens))]
+    assert not any(bool(torch.isin(ids, special).any()) for ids in chunks)
+    caches = {f"c{i:04d}": engine.chunk_cache(ids) for i, ids in enumerate(chunks)}
+    prompt = engine.layout.build(list(zip(caches, chunks, strict=True)), "Which passage names the river?")
+    return prompt, caches
 
 
 def check_full_recompute(engine: FusionEngine, total: int, chunk_tokens: int) -> dict[str, float]:
     """Ratio 1.0 over stitched caches vs a plain prefill, on this device and dtype."""
-    chunks = chunk_token_ids(engine, total, chunk_tokens, seed=total)
-    caches = {f"c{i:04d}": engine.chunk_cache(ids) for i, ids in enumerate(chunks)}
-    prompt = engine.layout.build(list(zip(caches, chunks, strict=True)), "Which passage names the river?")
+    prompt, caches = build_request(engine, total, chunk_tokens)
     sampling = SamplingConfig(max_new_tokens=1)
     reference = engine.full_attention(prompt, sampling=sampling).collect().first_token_logits
     recomputed = engine.generate(prompt, sampling=sampling, selector="all", caches=caches).first_token_logits
@@ -110,12 +109,10 @@ def check_full_recompute(engine: FusionEngine, total: int, chunk_tokens: int) ->
 def time_methods(engine: FusionEngine, total: int, chunk_tokens: int, ratio: float, repeats: int,
                  store_root: Path) -> dict[str, float]:
     """Median TTFT (s) of each method on one prompt of about `total` tokens."""
-    chunks = chunk_token_ids(engine, total, chunk_tokens, seed=total)
-    caches: dict[str, ChunkKV] = {f"c{i:04d}": engine.chunk_cache(ids) for i, ids in enumerate(chunks)}
+    prompt, caches = build_request(engine, total, chunk_tokens)
     store = DiskKVStore(store_root / f"t{total}", storage_dtype="bfloat16")
     for cid, kv in caches.items():
         store.put(cid, kv)
-    prompt = engine.layout.build(list(zip(caches, chunks, strict=True)), "Which passage names the river?")
     sampling = SamplingConfig(max_new_tokens=1)
     methods: dict[str, Callable[[], Generation]] = {
         "full_attention": lambda: engine.full_attention(prompt, sampling=sampling).collect(),
