@@ -7,12 +7,15 @@ plain data; when transformers moves an attribute again, this is the one file to 
 from __future__ import annotations
 
 import inspect
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 import transformers
+from tokenizers import Tokenizer
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -57,6 +60,13 @@ class DecoderParts:
     lm_head: nn.Module
     embed_scale: float
     final_logit_softcap: float | None
+
+
+# Per tokenizer, its private fixed-setting backends (see `_backends`); dropped with the tokenizer.
+_BACKENDS: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, tuple[Tokenizer, Tokenizer]] = (
+    weakref.WeakKeyDictionary()
+)
+_BACKENDS_LOCK = threading.Lock()
 
 
 def _rope_parameters(config: Any, layer_type: str | None) -> dict[str, Any]:
@@ -176,14 +186,48 @@ def hf_logits(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids[None].to(model.device), use_cache=False).logits[0]
 
 
+def _backends(tokenizer: PreTrainedTokenizerBase) -> tuple[Tokenizer, Tokenizer] | None:
+    """`(plain, template)` private copies of a fast tokenizer's Rust backend, or None (slow tokenizer).
+
+    NOTE: transformers implements `split_special_tokens` by setting `encode_special_tokens` on the
+    backend every caller shares, then encoding: two threads tokenizing with different settings
+    read each other's flag (document text parsed into control tokens). Each copy here is built
+    with one setting and never changed, so a call's result depends on its own arguments only.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        return None
+    with _BACKENDS_LOCK:
+        pair = _BACKENDS.get(tokenizer)
+        if pair is None:
+            pair = (_private_copy(backend, split_special=True), _private_copy(backend, split_special=False))
+            _BACKENDS[tokenizer] = pair
+    return pair
+
+
+def _private_copy(backend: Tokenizer, *, split_special: bool) -> Tokenizer:
+    copy = Tokenizer.from_str(backend.to_str())
+    copy.no_truncation()  # NOTE: transformers sets these per call on the shared one; we never do.
+    copy.no_padding()
+    copy.encode_special_tokens = split_special
+    return copy
+
+
 def tokenize_plain(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Token ids of user text: no BOS/EOS, and special-token strings in it are *not* parsed as specials."""
-    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    """Token ids of user or document text: no BOS/EOS, and special-token strings in it are *not*
+    parsed as specials, whatever other threads tokenize at the same time."""
+    pair = _backends(tokenizer)
+    if pair is None:  # NOTE: slow tokenizers read split_special_tokens per call, holding no state.
+        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    return list(pair[0].encode(text, add_special_tokens=False).ids)
 
 
 def tokenize_template(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Token ids of rendered chat-template text, where special-token strings *are* specials."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    pair = _backends(tokenizer)
+    if pair is None:
+        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=False)["input_ids"])
+    return list(pair[1].encode(text, add_special_tokens=False).ids)
 
 
 def cache_kwarg() -> str:
