@@ -228,12 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench", parents=[shared], formatter_class=formatter,
         help="quality and TTFT of every method on a QA dataset: results.json, results.md, plots",
-        description="For each row, ingest its passages (independent and fused caches), ask its question with all "
-                    "passages in order, and answer with every method (greedy, interleaved per row). Writes "
+        description="Ingest the rows' passages (independent and fused caches; one corpus per row, or one shared "
+                    "corpus with --corpus shared), ask each question over its passages in order (or over the "
+                    "top -k retrieved with --context retrieved), and answer with every method (greedy, "
+                    "interleaved per row). Writes "
                     "results.json, results.md, quality.png and ttft.png into --out.",
         epilog="examples:\n"
                "  fusionrag bench --data ../shared/datasets/musique_dev.jsonl --limit 20 --max-passage-tokens 200\n"
                "  fusionrag bench --data rows.jsonl --methods full_attention full_reuse fusionrag --ratios 0.15\n"
+               "  fusionrag bench --data rows.jsonl --limit 20 --corpus shared --context retrieved -k 8\n"
                "  fusionrag --model gemma3-270m bench --data rows.jsonl --neighbors 5 --neighbour-order similar_first",
     )
     bench.add_argument("--data", required=True, metavar="FILE.jsonl",
@@ -244,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--ratios", type=_ratio_list, default=(0.05, 0.15, 0.3),
                        help="recompute ratios, comma-separated (default: 0.05,0.15,0.3)")
     bench.add_argument("--limit", type=_positive_int, help="first N rows (default: all)")
+    bench.add_argument("--corpus", choices=("row", "shared"), default="row",
+                       help="row: each row's passages are a corpus of their own (neighbours = the prompt's "
+                            "passages); shared: every selected row's passages in one corpus, neighbours found "
+                            "corpus-wide, as in a deployment (default: row)")
+    bench.add_argument("--context", choices=("gold", "retrieved"), default="gold",
+                       help="gold: each question over its own passages; retrieved: over the top -k chunks "
+                            "retrieved from the shared corpus (needs --corpus shared; -k default 4) (default: gold)")
     bench.add_argument("--neighbors", type=int, default=10,
                        help="n of fused ingest, capped at passages-1 (default: 10)")
     bench.add_argument("--neighbour-order", choices=("similar_last", "similar_first"), default="similar_last",
@@ -473,6 +483,9 @@ def cmd_bench(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv
         max_passage_tokens=args.max_passage_tokens,
         max_new_tokens=args.max_new_tokens,
         storage_dtype=args.storage_dtype,
+        corpus=args.corpus,
+        context=args.context,
+        k=args.k,
     )
     load_rows(config.data, 1)  # NOTE: a missing or malformed dataset fails before the model loads.
     results = run_benchmark(config, engine(), progress=not args.no_progress, command=[PROG, *argv])

@@ -12,7 +12,15 @@ from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.bench.data import DatasetFormatError, load_rows
 from fusionrag_core.bench.report import load_results, markdown, write_report
-from fusionrag_core.bench.runner import DEFAULT_METHODS, METHODS, BenchConfig, label, row_passages, run_benchmark
+from fusionrag_core.bench.runner import (
+    DEFAULT_METHODS,
+    METHODS,
+    BenchConfig,
+    label,
+    row_passages,
+    run_benchmark,
+    same_prompt_neighbour_share,
+)
 from fusionrag_core.compat import tokenize_plain
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import ContextLengthError, InvalidRequestError
@@ -126,6 +134,9 @@ def test_a_row_too_long_for_the_model_is_refused_before_ingest(engine: FusionEng
         ({"limit": 0}, "limit"),
         ({"neighbour_order": "random"}, "neighbour_order"),
         ({"max_passage_tokens": 0}, "max_passage_tokens"),
+        ({"corpus": "everything"}, "corpus mode"),
+        ({"context": "retrieved"}, "corpus='shared'"),
+        ({"corpus": "shared", "context": "retrieved", "k": 0}, "k must be"),
     ],
 )
 def test_bad_configs_are_refused(kwargs: dict[str, Any], match: str) -> None:
@@ -141,3 +152,47 @@ def test_missing_dataset(engine: FusionEngine, tmp_path: Path) -> None:
 def test_full_attention_always_runs_first() -> None:
     plan = BenchConfig(data=DATA, methods=("fusionrag",), ratios=(0.1, 0.2)).plan()
     assert [(m.name, r) for m, r in plan] == [("full_attention", None), ("fusionrag", 0.1), ("fusionrag", 0.2)]
+
+
+# ---- corpus modes -------------------------------------------------------------------------------
+SHARED = {"limit": 2, "methods": ("full_attention", "full_reuse", "fusionrag"), "ratios": (0.15,),
+          "max_passage_tokens": 40, "max_new_tokens": 2, "neighbors": 10, "warmup": False}
+
+
+def test_a_row_corpus_fuses_each_chunk_after_its_own_prompts_passages(run: tuple[dict[str, Any], Path]) -> None:
+    corpus = run[0]["corpus"]
+    assert corpus["mode"] == "row" and corpus["context"] == "gold" and corpus["passages"] == 20
+    # 10 passages a row, n = 10 capped at 9: every neighbour is another passage of the prompt
+    assert corpus["same_prompt_neighbour_share"] == 1.0
+    assert "one corpus per row" in markdown(run[0])
+
+
+def test_a_shared_corpus_finds_neighbours_across_rows(engine: FusionEngine) -> None:
+    results = run_benchmark(BenchConfig(data=DATA, corpus="shared", **SHARED), engine, progress=False)  # type: ignore[arg-type]
+    corpus = results["corpus"]
+    assert corpus["mode"] == "shared" and corpus["passages"] == 20
+    assert results["ingest"]["fused_chunks"] == 20  # one ingest of both rows' passages, not one per row
+    # 10 neighbours among 19 others, only 9 of them in the same prompt: at most 90% can be the prompt's own
+    assert 0.0 <= corpus["same_prompt_neighbour_share"] <= 0.9
+    for row in results["per_row"]:
+        assert row["prompt_chunks"] == 10 and row["gold_passage_recall"] == 1.0
+    assert {(s["method"], s["ratio"]) for s in results["results"]} == {
+        ("full_attention", None), ("full_reuse", None), ("fusionrag", 0.15)}
+    assert "one shared corpus" in markdown(results)
+
+
+def test_a_shared_corpus_answers_over_retrieved_chunks(engine: FusionEngine) -> None:
+    config = BenchConfig(data=DATA, corpus="shared", context="retrieved", k=4, **SHARED)  # type: ignore[arg-type]
+    results = run_benchmark(config, engine, progress=False)
+    corpus = results["corpus"]
+    assert corpus["context"] == "retrieved" and corpus["k"] == 4
+    assert all(row["prompt_chunks"] == 4 for row in results["per_row"])
+    assert 0.0 <= corpus["gold_passage_recall"] <= 1.0
+    assert "top-4 retrieved" in markdown(results)
+
+
+def test_same_prompt_neighbour_share() -> None:
+    neighbours = {"a": ["b", "x"], "b": ["a", "c"], "c": [], "x": ["a"]}
+    assert same_prompt_neighbour_share(["a", "b", "c"], neighbours) == pytest.approx((0.5 + 1.0) / 2)
+    assert same_prompt_neighbour_share(["c"], neighbours) is None
+    assert same_prompt_neighbour_share(["a", "a", "x"], neighbours) == pytest.approx((0.5 + 1.0) / 2)

@@ -101,6 +101,7 @@ def markdown(results: Mapping[str, Any]) -> str:
     parts = [
         f"# FusionRAG benchmark: {results['model']} on {Path(results['dataset']).name} "
         f"({results['rows']} rows, {results['device']} {results['dtype']})\n",
+        _corpus_line(results.get("corpus")),
         table(results["results"]),
         f"Ingest throughput: independent caches {_num(ind, 1)} chunks/min, fused caches {_num(fused, 1)} chunks/min"
         + (f" ({ind / fused:.1f}× slower)" if ind and fused else "") + ".\n",
@@ -111,6 +112,19 @@ def markdown(results: Mapping[str, Any]) -> str:
     if results.get("command"):
         parts.append("Command: `" + " ".join(results["command"]) + "`\n")
     return "\n".join(parts)
+
+
+def _corpus_line(corpus: Mapping[str, Any] | None) -> str:
+    """How the prompts' passages were ingested and chosen (results.json from before corpus modes: per row)."""
+    if not corpus:
+        return "Corpus: one per row (each row's passages ingested alone).\n"
+    where = ("one shared corpus of every row's passages" if corpus["mode"] == "shared"
+             else "one corpus per row")
+    what = (f"the top-{corpus['k']} retrieved chunks (gold-passage recall {_pct(corpus['gold_passage_recall'])})"
+            if corpus["context"] == "retrieved" else "each row's own passages")
+    return (f"Corpus: {where} ({corpus['passages']} passages); prompts hold {what}; "
+            f"{_pct(corpus['same_prompt_neighbour_share'])} of a prompt chunk's fused neighbours are chunks of "
+            "the same prompt.\n")
 
 
 # ---- plots ----------------------------------------------------------------------------------------

@@ -5,10 +5,21 @@ One row, top to bottom:
     passages (title + text, cut to `max_passage_tokens` model tokens)
     -> ingested twice into throwaway FusionIndexes (embedded Chroma + disk KV store):
        "independent" (fuse=False: what CacheBlend / EPIC precompute) and "fused" (FusionRAG's ingest,
-       every passage fused after its top-n most similar passages of the same row)
-    -> one canonical prompt: ALL passages in dataset order (each tagged with its chunk id), then the question
+       every passage fused after its top-n most similar passages of the corpus)
+    -> one canonical prompt (each passage tagged with its chunk id), then the question
     -> every (method, ratio), greedy, in an order rotated from row to row
     -> per-row results scored against full attention on the same prompt
+
+The corpus (`BenchConfig.corpus`):
+    "row"    : each row's passages are a corpus of their own, so a fused cache's neighbours are exactly
+               the other passages of its prompt (the most favourable case; kept for ablations).
+    "shared" : every selected row's passages are ingested into ONE corpus, as in a deployment, so
+               neighbours are found corpus-wide and are often other questions' passages.
+The prompt's passages (`BenchConfig.context`, shared corpus only for "retrieved"):
+    "gold"      : the row's own passages in dataset order.
+    "retrieved" : the top-`k` chunks the fused index retrieves for the question, best first.
+results.json records both, and the share of each prompt chunk's fused neighbours that are
+passages of the same prompt (`corpus.same_prompt_neighbour_share`).
 
 then `metrics.summarize` aggregates the rows and `report.write_report` writes results.json,
 results.md and the plots.
@@ -27,7 +38,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 from tqdm.auto import tqdm
 
@@ -46,7 +57,7 @@ from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import CacheNotFoundError, ContextLengthError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.ingest import IngestConfig, NeighbourOrder
+from fusionrag_core.ingest import NEIGHBOURS_KEY, IngestConfig, NeighbourOrder
 from fusionrag_core.kv import Variant
 from fusionrag_core.select import SelectConfig
 from fusionrag_core.store import StorageDType
@@ -89,6 +100,9 @@ METHODS: dict[str, Method] = {
 DEFAULT_METHODS: tuple[str, ...] = (FULL_ATTENTION, FULL_REUSE, "cacheblend", "epic", "query_guided", "fusionrag")
 DEFAULT_RATIOS: tuple[float, ...] = (0.05, 0.15, 0.3)
 
+CorpusMode = Literal["row", "shared"]
+ContextMode = Literal["gold", "retrieved"]
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -106,6 +120,10 @@ class BenchConfig:
         max_new_tokens: answer length limit (greedy; answers also stop at a newline).
         storage_dtype: dtype of the KV store's blobs (see `fusionrag_core.store.KVStore`).
         warmup: run one untimed query before the first timed one.
+        corpus: "row" (each row's passages are their own corpus) or "shared" (all selected rows'
+            passages in one corpus; neighbours are found corpus-wide).
+        context: "gold" (the row's own passages) or "retrieved" (top-`k` from the shared corpus).
+        k: chunks retrieved per question with `context="retrieved"`.
     """
 
     data: Path
@@ -118,6 +136,9 @@ class BenchConfig:
     max_new_tokens: int = 32
     storage_dtype: StorageDType = "float16"
     warmup: bool = True
+    corpus: CorpusMode = "row"
+    context: ContextMode = "gold"
+    k: int = 4
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -138,6 +159,17 @@ class BenchConfig:
         # NOTE: IngestConfig checks neighbors / neighbour_order with its own messages.
         IngestConfig(neighbors=self.neighbors, neighbour_order=self.neighbour_order)
         SamplingConfig(max_new_tokens=self.max_new_tokens)
+        if self.corpus not in get_args(CorpusMode):
+            raise InvalidRequestError(
+                f"unknown corpus mode {self.corpus!r}; use one of {', '.join(get_args(CorpusMode))}")
+        if self.context not in get_args(ContextMode):
+            raise InvalidRequestError(
+                f"unknown context mode {self.context!r}; use one of {', '.join(get_args(ContextMode))}")
+        if self.context == "retrieved" and self.corpus != "shared":
+            raise InvalidRequestError("context 'retrieved' retrieves from the shared corpus; add corpus='shared' "
+                                      "(--corpus shared)")
+        if self.k < 1:
+            raise InvalidRequestError(f"k must be >= 1 retrieved chunk, got {self.k}")
         if self.storage_dtype not in get_args(StorageDType):
             raise InvalidRequestError(
                 f"unknown storage dtype {self.storage_dtype!r}; use one of {', '.join(get_args(StorageDType))}"
@@ -180,11 +212,13 @@ class _IngestTotals:
 
 
 @dataclass
-class _RowCorpus:
-    """A row's passages as ingested: `(chunk_id, text)` in passage order, and the index of each kind."""
+class _Corpus:
+    """Ingested passages: `(chunk_id, text)` per passage in ingest order, each kind's index, and
+    each chunk's fused neighbours (chunk ids, nearest first)."""
 
     chunks: list[tuple[str, str]]
     indexes: dict[Variant, FusionIndex]
+    neighbours: dict[str, list[str]]
 
 
 def run_benchmark(
@@ -201,13 +235,13 @@ def run_benchmark(
         config: what to run.
         engine: the model (any FusionEngine: the packaged default, another model, a test model).
             Its `store` is restored when the run ends.
-        embedding_function: for the per-row Chroma collections (default: the offline MiniLM).
-        progress: show a tqdm bar (one step per row ingest and per query).
+        embedding_function: for the Chroma collections (default: the offline MiniLM).
+        progress: show a tqdm bar (one step per ingest and per query).
         command: the command line, recorded in the results.
 
     Returns:
-        `{"model", "dataset", "rows", "results": [per (method, ratio) summary], "ingest", "config",
-        "command", "ttft", "per_row"}` (see `metrics.summarize` for the summary keys).
+        `{"model", "dataset", "rows", "results": [per (method, ratio) summary], "ingest", "corpus",
+        "config", "command", "ttft", "per_row"}` (see `metrics.summarize` for the summary keys).
 
     Raises:
         DatasetFormatError: the dataset is missing or malformed.
@@ -220,20 +254,50 @@ def run_benchmark(
     ef = embedding_function if embedding_function is not None else vectordb.default_embedding_function()
     sampling = SamplingConfig(max_new_tokens=config.max_new_tokens, stop=ANSWER_STOP)
     plan = config.plan()
+    passages = [row_passages(row, engine, config.max_passage_tokens) for row in rows]
+    if config.context == "gold":
+        for i, (row, ps) in enumerate(zip(rows, passages, strict=True)):
+            _check_fits(engine, row, ps, sampling, i)
     totals = _IngestTotals()
     results: list[RowResult] = []
     per_row: list[dict[str, Any]] = []
-    previous_store = engine.store  # NOTE: FusionIndex.open points engine.store at each row's store.
+    previous_store = engine.store  # NOTE: FusionIndex.open points engine.store at each index's store.
+    ingests = 1 if config.corpus == "shared" else len(rows)
     # NOTE: one step per ingest and per query, so a slow row still shows progress.
-    bar = tqdm(total=len(rows) * (1 + len(plan)), desc="bench", unit="step", disable=not progress)
+    bar = tqdm(total=ingests + len(rows) * len(plan), desc="bench", unit="step", disable=not progress)
     try:
         with bar, tempfile.TemporaryDirectory(prefix="fusionrag-bench-") as tmp:
-            for i, row in enumerate(rows):
-                row_results, outputs = _run_row(engine, row, i, Path(tmp), config, ef, totals, sampling, bar)
-                results.extend(row_results)
-                per_row.append(outputs)
+            root = Path(tmp)
+            shared: _Corpus | None = None
+            if config.corpus == "shared":
+                bar.set_postfix_str(f"ingest {sum(map(len, passages))} passages")
+                shared = _ingest(engine, [p for ps in passages for p in ps], _doc_ids(passages), "shared", root,
+                                 config, ef, totals)
+                bar.update(1)
+            try:
+                offset = 0
+                for i, row in enumerate(rows):
+                    corpus = shared
+                    if corpus is None:
+                        bar.set_postfix_str(f"row {i + 1}: ingest")
+                        corpus = _ingest(engine, passages[i], [f"passage-{j}" for j in range(len(passages[i]))],
+                                         f"row{i}", root, config, ef, totals)
+                        bar.update(1)
+                    own = corpus.chunks[offset:offset + len(passages[i])] if shared is not None else corpus.chunks
+                    offset += len(passages[i])
+                    try:
+                        row_results, outputs = _run_row(engine, row, i, own, corpus, config, sampling, bar)
+                    finally:
+                        if shared is None:
+                            _drop(corpus, root)
+                    results.extend(row_results)
+                    per_row.append(outputs)
+            finally:
+                if shared is not None:
+                    _drop(shared, root)
     finally:
         engine.store = previous_store
+    shares = [r["same_prompt_neighbour_share"] for r in per_row if r["same_prompt_neighbour_share"] is not None]
     return {
         "model": engine.name,
         "model_fingerprint": engine.fingerprint,
@@ -243,6 +307,15 @@ def run_benchmark(
         "rows": len(rows),
         "command": list(command) if command is not None else None,
         "config": {**asdict(config), "data": str(config.data)},
+        "corpus": {
+            "mode": config.corpus,
+            "context": config.context,
+            "k": config.k if config.context == "retrieved" else None,
+            "passages": sum(map(len, passages)),
+            "same_prompt_neighbour_share": sum(shares) / len(shares) if shares else None,
+            "gold_passage_recall": (sum(r["gold_passage_recall"] for r in per_row) / len(per_row)
+                                    if config.context == "retrieved" else None),
+        },
         "results": summarize(results),
         "ingest": totals.summary(),
         "ttft": "engine time to first token; for reuse methods it includes loading the row's chunk caches "
@@ -251,45 +324,67 @@ def run_benchmark(
     }
 
 
+def _doc_ids(passages: Sequence[Sequence[str]]) -> list[str]:
+    """Document ids of every row's passages in the shared corpus: `row{i}-passage-{j}`."""
+    return [f"row{i}-passage-{j}" for i, ps in enumerate(passages) for j in range(len(ps))]
+
+
 def _run_row(
     engine: FusionEngine,
     row: BenchRow,
     i: int,
-    root: Path,
+    own: Sequence[tuple[str, str]],
+    corpus: _Corpus,
     config: BenchConfig,
-    ef: vectordb.EmbeddingFn,
-    totals: _IngestTotals,
     sampling: SamplingConfig,
     bar: tqdm[Any],
 ) -> tuple[list[RowResult], dict[str, Any]]:
-    """Ingest one row, answer it with every (method, ratio), score it; returns its results and outputs."""
+    """Answer one row with every (method, ratio) and score it; returns its results and outputs.
+
+    `own` are the row's passages as ingested; the prompt holds them ("gold") or the top-k
+    retrieved from `corpus` ("retrieved").
+    """
     plan = config.plan()
-    passages = row_passages(row, engine, config.max_passage_tokens)
-    _check_fits(engine, row, passages, sampling, i)
-    bar.set_postfix_str(f"row {i + 1}: ingest")
-    corpus = _ingest(engine, passages, i, root, config, ef, totals)
-    bar.update(1)
-    try:
-        prompt = engine.prompt(row.question, chunks=corpus.chunks)
-        if i == 0 and config.warmup:
-            _warm_up(engine, prompt, corpus)
-        # NOTE: rotated so no method always runs right after the same other one.
-        shift = i % len(plan)
-        generations: dict[tuple[str, float | None], Generation] = {}
-        for method, ratio in plan[shift:] + plan[:shift]:
-            bar.set_postfix_str(f"row {i + 1}: {label(method.name, ratio)}")
-            generations[(method.name, ratio)] = _answer(engine, prompt, method, ratio, corpus, sampling)
-            bar.update(1)
-    finally:
-        _drop(corpus, root)
+    chunks = list(own)
+    if config.context == "retrieved":
+        hits = corpus.indexes["fused"].search(row.question, config.k)
+        chunks = [(h.chunk_id, h.text) for h in hits]
+    prompt = engine.prompt(row.question, chunks=chunks)
+    if i == 0 and config.warmup:
+        _warm_up(engine, prompt, corpus)
+    # NOTE: rotated so no method always runs right after the same other one.
+    shift = i % len(plan)
+    generations: dict[tuple[str, float | None], Generation] = {}
+    for method, ratio in plan[shift:] + plan[:shift]:
+        bar.set_postfix_str(f"row {i + 1}: {label(method.name, ratio)}")
+        generations[(method.name, ratio)] = _answer(engine, prompt, method, ratio, corpus, sampling)
+        bar.update(1)
     row_results = _score(row, plan, generations)
+    prompt_ids = [cid for cid, _ in chunks]
+    own_ids = {cid for cid, _ in own}
     outputs = {
         "question": row.question,
         "answers": list(row.answers),
         "prompt_tokens": prompt.num_tokens,
+        "prompt_chunks": len(chunks),
+        "same_prompt_neighbour_share": same_prompt_neighbour_share(prompt_ids, corpus.neighbours),
+        "gold_passage_recall": len(own_ids.intersection(prompt_ids)) / len(own_ids),
         "outputs": {label(r.method, r.ratio): r.answer for r in row_results},
     }
     return row_results, outputs
+
+
+def same_prompt_neighbour_share(prompt_ids: Sequence[str], neighbours: dict[str, list[str]]) -> float | None:
+    """Mean over the prompt's chunks of the share of their fused neighbours that are other chunks of
+    the same prompt (1.0: every neighbour it was fused after is in the prompt); None when no chunk
+    of the prompt has neighbours."""
+    present = set(prompt_ids)
+    shares = [
+        sum(n in present and n != cid for n in neighbours[cid]) / len(neighbours[cid])
+        for cid in dict.fromkeys(prompt_ids)
+        if neighbours.get(cid)
+    ]
+    return sum(shares) / len(shares) if shares else None
 
 
 def row_passages(row: BenchRow, engine: FusionEngine, max_tokens: int | None) -> list[str]:
@@ -322,13 +417,14 @@ def _check_fits(engine: FusionEngine, row: BenchRow, passages: Sequence[str], sa
 def _ingest(
     engine: FusionEngine,
     passages: Sequence[str],
-    row_index: int,
+    doc_ids: Sequence[str],
+    name: str,
     root: Path,
     config: BenchConfig,
     ef: vectordb.EmbeddingFn,
     totals: _IngestTotals,
-) -> _RowCorpus:
-    """Ingest the row's passages into an independent and a fused index of their own."""
+) -> _Corpus:
+    """Ingest `passages` (one document each) into an independent and a fused index named `name`."""
     # NOTE: one chunk per passage: the chunk budget is the longest passage, so no passage is split.
     chunk_tokens = max(len(tokenize_plain(engine.tokenizer, p)) for p in passages)
     settings: dict[Variant, IngestConfig] = {
@@ -339,47 +435,50 @@ def _ingest(
     indexes: dict[Variant, FusionIndex] = {}
     chunk_ids: list[str] = []
     for kind, ingest_config in settings.items():
-        index = FusionIndex.open(engine, root, collection_name=f"row{row_index}-{kind}", config=ingest_config,
+        index = FusionIndex.open(engine, root, collection_name=f"{name}-{kind}", config=ingest_config,
                                  embedding_function=ef, storage_dtype=config.storage_dtype)
         indexes[kind] = index
-        doc_ids = [f"passage-{j}" for j in range(len(passages))]
-        report = index.add_texts(list(passages), doc_ids=doc_ids)
+        report = index.add_texts(list(passages), doc_ids=list(doc_ids))
         ids = [chunks[0] for chunks in report.chunk_ids]
         if any(len(chunks) != 1 for chunks in report.chunk_ids):
             raise InvalidRequestError(
-                f"row {row_index}: a passage was cut into several chunks ({[len(c) for c in report.chunk_ids]}); "
+                f"{name}: a passage was cut into several chunks ({[len(c) for c in report.chunk_ids]}); "
                 "the benchmark needs one chunk per passage (this is a bug in the chunk budget)"
             )
         if chunk_ids and ids != chunk_ids:
-            raise InvalidRequestError(f"row {row_index}: the {kind} ingest named the passages' chunks differently")
+            raise InvalidRequestError(f"{name}: the {kind} ingest named the passages' chunks differently")
         chunk_ids = ids
         totals.chunks[kind] += report.new_chunks
         totals.seconds[kind] += report.seconds
-    _check_caches(indexes, chunk_ids, row_index)
-    texts = _chunk_texts(indexes["fused"], chunk_ids)
-    return _RowCorpus([(cid, texts[cid]) for cid in chunk_ids], indexes)
+    _check_caches(indexes, chunk_ids, name)
+    texts, neighbours = _chunk_records(indexes["fused"], chunk_ids)
+    return _Corpus([(cid, texts[cid]) for cid in chunk_ids], indexes, neighbours)
 
 
-def _check_caches(indexes: dict[Variant, FusionIndex], chunk_ids: Sequence[str], row_index: int) -> None:
+def _check_caches(indexes: dict[Variant, FusionIndex], chunk_ids: Sequence[str], name: str) -> None:
     # NOTE: the engine falls back from a missing fused cache to the independent one without a
     # miss; a benchmark must not silently measure the wrong cache.
     for kind, index in indexes.items():
         missing = sorted(set(chunk_ids) - index.store.list_ids(kind))
         if missing:
             raise CacheNotFoundError(
-                f"row {row_index}: the {kind} ingest stored no {kind} cache for chunk(s) {missing}; "
+                f"{name}: the {kind} ingest stored no {kind} cache for chunk(s) {missing}; "
                 "the benchmark cannot measure that method (check the ingest log)"
             )
 
 
-def _chunk_texts(index: FusionIndex, chunk_ids: Sequence[str]) -> dict[str, str]:
-    """Chunk texts as the collection holds them (what a retriever would hand the prompt)."""
-    res = index.collection.get(ids=list(dict.fromkeys(chunk_ids)), include=["documents"])
-    documents = res["documents"] or []
-    return {cid: str(doc) for cid, doc in zip(res["ids"], documents, strict=True)}
+def _chunk_records(index: FusionIndex, chunk_ids: Sequence[str]) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Chunk texts as the collection holds them (what a retriever would hand the prompt), and each
+    chunk's fused neighbours as ingest recorded them."""
+    res = index.collection.get(ids=list(dict.fromkeys(chunk_ids)), include=["documents", "metadatas"])
+    documents, metadatas = res["documents"] or [], res["metadatas"] or []
+    texts = {cid: str(doc) for cid, doc in zip(res["ids"], documents, strict=True)}
+    neighbours = {cid: str((meta or {}).get(NEIGHBOURS_KEY) or "").split()
+                  for cid, meta in zip(res["ids"], metadatas, strict=True)}
+    return texts, neighbours
 
 
-def _warm_up(engine: FusionEngine, prompt: Any, corpus: _RowCorpus) -> None:
+def _warm_up(engine: FusionEngine, prompt: Any, corpus: _Corpus) -> None:
     """One untimed query of each kind (plain prefill, cache reuse): first calls pay one-time costs."""
     short = SamplingConfig(max_new_tokens=2)
     engine.full_attention(prompt, sampling=short).collect()
@@ -392,7 +491,7 @@ def _answer(
     prompt: Any,
     method: Method,
     ratio: float | None,
-    corpus: _RowCorpus,
+    corpus: _Corpus,
     sampling: SamplingConfig,
 ) -> Generation:
     """One method's answer; caches are read from the store of the method's ingest kind."""
@@ -431,7 +530,7 @@ def _score(
     return out
 
 
-def _drop(corpus: _RowCorpus, root: Path) -> None:
+def _drop(corpus: _Corpus, root: Path) -> None:
     """Delete the row's collections and KV stores (a full run would otherwise keep gigabytes)."""
     for index in corpus.indexes.values():
         name = index.collection.name
