@@ -13,9 +13,8 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 from chromadb.api.models.Collection import Collection
 
 from fusionrag_core import vectordb
+from fusionrag_core.corpus import corpus_id_of, legacy_warning, store_namespace
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import CacheMismatchError, InvalidRequestError
 from fusionrag_core.ingest import IngestConfig, Ingestor, IngestReport, VerifyReport
@@ -35,7 +35,7 @@ MODEL_KEY = "fusionrag_model"
 MODEL_NAME_KEY = "fusionrag_model_name"
 INGEST_KEY = "fusionrag_ingest"
 
-_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+log = logging.getLogger(__name__)
 
 
 class FusionIndex:
@@ -92,7 +92,8 @@ class FusionIndex:
             data_dir: holds `chroma/` (embedded database, unless `chroma_url`) and
                 `kv/<collection_name>/` (disk caches, unless `redis_url`).
             chroma_url: `http://host:port` of a Chroma server (`chroma run`).
-            redis_url: `redis://host:port/db`; caches are namespaced by collection name.
+            redis_url: `redis://host:port/db`; caches are namespaced by the corpus id the
+                collection records (`fusionrag.<collection>.<id>`).
             collection_name: the Chroma collection (one corpus).
             config: chunking and fusion settings (None: the collection's own, or the defaults).
             embedding_function: default the offline all-MiniLM-L6-v2.
@@ -106,11 +107,16 @@ class FusionIndex:
         ef = embedding_function if embedding_function is not None else vectordb.default_embedding_function()
         vconfig = vectordb.VectorDBConfig(path=str(root / "chroma"), url=chroma_url, collection=collection_name)
         collection = vectordb.open_collection(vconfig, ef)
-        # NOTE: one store per collection: fused caches depend on the corpus, and verify deletes
-        # blobs the collection does not know, so two corpora must never share a store.
+        # NOTE: one store per corpus: fused caches depend on the corpus, and ingest and verify delete
+        # blobs the collection does not know, so two corpora must never share a store. On Redis the
+        # namespace derives from the corpus id recorded in the collection (see fusionrag_core.corpus).
         store: KVStore
         if redis_url is not None:
-            store = open_store(redis_url, storage_dtype=storage_dtype, namespace=_namespace(collection_name))
+            corpus_id = corpus_id_of(collection.metadata)
+            if corpus_id is None:
+                log.warning(legacy_warning(collection_name, chroma_url or str(root)))
+            store = open_store(redis_url, storage_dtype=storage_dtype,
+                               namespace=store_namespace(collection_name, corpus_id))
         else:
             store = DiskKVStore(root / "kv" / collection_name, storage_dtype=storage_dtype)
         return cls(engine, collection, store, config, embedding_function=ef)
@@ -184,14 +190,6 @@ class FusionIndex:
 
     def __repr__(self) -> str:
         return f"FusionIndex(collection={self.collection.name!r}, store={self.store!r}, model={self.engine.name!r})"
-
-
-def _namespace(collection_name: str) -> str:
-    """A Redis namespace for the collection (names longer than a namespace allows are hashed)."""
-    name = f"fusionrag.{collection_name}"
-    if _NAMESPACE_RE.fullmatch(name):
-        return name
-    return "fusionrag." + hashlib.sha256(collection_name.encode()).hexdigest()[:32]
 
 
 def _bind(

@@ -26,6 +26,7 @@ from chromadb.api.types import EmbeddingFunction
 from chromadb.config import Settings
 from chromadb.utils.embedding_functions import SentenceTransformerEmbeddingFunction
 
+from fusionrag_core.corpus import CORPUS_ID_KEY, corpus_id_of, new_corpus_id
 from fusionrag_core.errors import FusionRAGError, InvalidRequestError
 
 EMBEDDING_ID = "sentence-transformers/all-MiniLM-L6-v2"
@@ -206,7 +207,8 @@ def open_collection(
         collection = client.get_or_create_collection(
             name=config.collection,
             configuration=cast(CreateCollectionConfiguration, {"hnsw": {"space": SPACE}}),
-            metadata={EMBEDDING_META_KEY: wanted},
+            # NOTE: applied only when the collection is created: the corpus id is born with it.
+            metadata={EMBEDDING_META_KEY: wanted, CORPUS_ID_KEY: new_corpus_id()},
             embedding_function=ef,
         )
     except ValueError as e:
@@ -227,15 +229,19 @@ def open_collection(
         )
     metadata = dict(collection.metadata or {})
     recorded = metadata.get(EMBEDDING_META_KEY)
-    if recorded is None and collection.count() == 0:
-        # An empty collection created by someone else: adopt it.
-        collection.modify(metadata={**metadata, EMBEDDING_META_KEY: wanted})
-    elif recorded != wanted:
+    empty = collection.count() == 0
+    if recorded is None and empty:
+        recorded = wanted  # NOTE: an empty collection created by someone else: adopted below.
+    if recorded != wanted:
         raise InvalidRequestError(
             f"collection {config.collection!r} in {where} holds embeddings of {recorded!r}, but the embedding "
             f"function given is {wanted!r}; use the same embedding function, or choose another collection name "
             "and re-ingest"
         )
+    if empty and (metadata.get(EMBEDDING_META_KEY) is None or corpus_id_of(metadata) is None):
+        # NOTE: an empty collection made elsewhere (or before corpus ids) becomes a corpus of its own.
+        adopted = {EMBEDDING_META_KEY: wanted, CORPUS_ID_KEY: corpus_id_of(metadata) or new_corpus_id()}
+        collection.modify(metadata={**metadata, **adopted})
     return collection
 
 
