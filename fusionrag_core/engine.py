@@ -395,7 +395,7 @@ class FusionEngine:
         out, recomputed = recompute(st, selected)
         assert out.logits is not None
         first_logits = out.logits
-        sampler = Sampler(sampling)
+        sampler = Sampler(sampling, prompt.token_ids())
         token = sampler(first_logits)
         ttft = time.perf_counter() - start
 
