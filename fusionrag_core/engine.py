@@ -20,15 +20,22 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fusionrag_core import model as model_lib
+from fusionrag_core.bad_blobs import BadBlobs
 from fusionrag_core.decode import Sampler, SamplingConfig, TextAssembler
-from fusionrag_core.errors import CacheNotFoundError, ContextLengthError, InvalidRequestError
+from fusionrag_core.errors import (
+    CacheCorruptError,
+    CacheMismatchError,
+    CacheNotFoundError,
+    ContextLengthError,
+    InvalidRequestError,
+)
 from fusionrag_core.forward import Decoder
 from fusionrag_core.kv import ChunkKV, Variant
 from fusionrag_core.prefill import prefill_chunk, prefill_prefix
 from fusionrag_core.prompt import DEFAULT_INSTRUCTION, FusionPrompt, PromptLayout
 from fusionrag_core.recompute import recompute
 from fusionrag_core.select import SelectConfig, get_selector
-from fusionrag_core.stitch import CacheLookup, prefetch, stitch
+from fusionrag_core.stitch import CacheLookup, CacheMiss, prefetch, stitch
 from fusionrag_core.store.base import is_storable_chunk_id
 
 if TYPE_CHECKING:
@@ -177,6 +184,7 @@ class FusionEngine:
         self.context_window = model_lib.context_window(model)
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         self._prefix_lock = threading.Lock()  # integrations serve requests from several threads
+        self._bad_blobs = BadBlobs()
         self._loader = ThreadPoolExecutor(self.config.load_workers, thread_name_prefix="fusionrag-load")
         # NOTE: the prefix every chunk cache is computed after (see `chunk_cache`): a prompt that
         # starts with it has an exact independent cache for its first chunk.
@@ -289,7 +297,7 @@ class FusionEngine:
         `exact_first`: the prompt's prefix is the one chunk caches are computed after, so the first
         chunk's independent cache is exactly what full attention computes there.
         """
-        def lookup(chunk_id: str, first: bool) -> ChunkKV | None:
+        def lookup(chunk_id: str, first: bool) -> ChunkKV | CacheMiss | None:
             if caches is not None and chunk_id in caches:
                 kv = caches[chunk_id]
                 kv.validate(fingerprint=self.fingerprint, shape=self.kv_shape)
@@ -301,13 +309,18 @@ class FusionEngine:
             order: tuple[Variant, ...] = (variant,)
             if variant == "fused":
                 order = ("independent", "fused") if first and exact_first else ("fused", "independent")
+            miss: CacheMiss | None = None
             for v in order:
                 try:
                     return store.get(chunk_id, v, fingerprint=self.fingerprint, shape=self.kv_shape,
                                           device=self.device, dtype=self.decoder.dtype)
                 except CacheNotFoundError:
                     continue
-            return None
+                except (CacheCorruptError, CacheMismatchError) as e:
+                    # NOTE: a bad blob is an absent blob (next variant, else prefill), never a failed query.
+                    reported = self._bad_blobs.miss(store, chunk_id, v, e)
+                    miss = miss or reported
+            return miss
 
         return lookup
 

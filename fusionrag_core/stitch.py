@@ -18,9 +18,20 @@ from fusionrag_core.kv import ChunkKV, KVBuffer
 from fusionrag_core.prompt import FusionPrompt
 from fusionrag_core.rope import shift_keys
 
+
+@dataclass(frozen=True)
+class CacheMiss:
+    """A lookup's answer when a chunk has no usable cache: why (reported in `Stitched.misses`)."""
+
+    reason: str
+
+
+NO_CACHE = CacheMiss("no cache stored for this chunk id")
+
 # Looks up a chunk's cache by id, told whether the chunk comes first (right after the prefix, where
-# its independent cache is exact); returns None when there is none (the chunk is then prefilled).
-CacheLookup = Callable[[str, bool], ChunkKV | None]
+# its independent cache is exact); returns None or a CacheMiss when there is none (the chunk is
+# then prefilled).
+CacheLookup = Callable[[str, bool], ChunkKV | CacheMiss | None]
 
 
 def prefetch(prompt: FusionPrompt, lookup: CacheLookup, pool: Executor, *,
@@ -33,13 +44,13 @@ def prefetch(prompt: FusionPrompt, lookup: CacheLookup, pool: Executor, *,
     handing a few microseconds of work to a pool costs more (GIL hand-offs) than it saves.
     Errors surface when `stitch` asks for that chunk, in prompt order, as without prefetching.
     """
-    futures: dict[tuple[str, bool], Future[ChunkKV | None]] = {}
+    futures: dict[tuple[str, bool], Future[ChunkKV | CacheMiss | None]] = {}
     for i, seg in enumerate(prompt.segments):
         key = (seg.chunk_id or "", i == 0)
         if seg.chunk_id and seg.chunk_id not in inline and key not in futures:
             futures[key] = pool.submit(lookup, *key)
 
-    def wait(chunk_id: str, first: bool) -> ChunkKV | None:
+    def wait(chunk_id: str, first: bool) -> ChunkKV | CacheMiss | None:
         future = futures.get((chunk_id, first))
         return future.result() if future is not None else lookup(chunk_id, first)
 
@@ -124,12 +135,13 @@ def stitch(
     variants: dict[str, int] = {}
     for i, seg in enumerate(prompt.segments):
         start = buf.length
-        kv = lookup(seg.chunk_id, i == 0) if seg.chunk_id else None
+        found = lookup(seg.chunk_id, i == 0) if seg.chunk_id else None
+        kv = found if isinstance(found, ChunkKV) else None
         if kv is not None and not torch.equal(kv.token_ids.cpu(), seg.token_ids.cpu()):
             misses[seg.chunk_id or ""] = "cached token ids differ from the prompt's text"
             kv = None
         elif seg.chunk_id and kv is None:
-            misses[seg.chunk_id] = "no cache stored for this chunk id"
+            misses[seg.chunk_id] = (found if isinstance(found, CacheMiss) else NO_CACHE).reason
         if kv is None:
             forced.append(buf.reserve(torch.arange(start, start + seg.num_tokens, device=device), valid=False))
             continue

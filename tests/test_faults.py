@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.corpus import CORPUS_ID_KEY, corpus_id_of
+from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest import IngestConfig
+from fusionrag_core.kv import VARIANTS
+from fusionrag_core.store import DiskKVStore
+from fusionrag_core.store.disk import QUARANTINE_DIR
 from tests.ingest_worker import tiny_engine
 from tests.servers import running_redis_server
 
@@ -74,3 +80,74 @@ def test_a_corpus_from_before_ids_keeps_its_namespace_and_is_warned_about(
     assert corpus_id_of(legacy.collection.metadata) is None, "an existing corpus is not re-keyed behind its back"
     assert legacy.store.namespace == "fusionrag.old-corpus"  # type: ignore[attr-defined]
     assert "built before corpus ids" in caplog.text and "--collection" in caplog.text
+
+
+# ---- defect 5: a bad blob at query time -----------------------------------------------------------
+QUESTION = "Where was the designer of the Lumen lighthouse born?"
+GREEDY = SamplingConfig(max_new_tokens=4)
+
+
+def _damage(index: FusionIndex, victim: str, donor: str, how: str) -> None:
+    store = index.store
+    assert isinstance(store, DiskKVStore)
+    for variant in VARIANTS:
+        path = store.path_for(victim, variant)
+        blob = path.read_bytes()
+        if how == "truncated":
+            path.write_bytes(blob[: len(blob) // 2])
+        elif how == "bitflip":
+            path.write_bytes(blob[:-9] + bytes([blob[-9] ^ 0x10]) + blob[-8:])
+        else:  # NOTE: a blob of another chunk under this chunk's name
+            path.write_bytes(store.path_for(donor, variant).read_bytes())
+
+
+@pytest.mark.parametrize("how", ["truncated", "bitflip", "foreign"])
+def test_a_corrupt_blob_is_a_reported_miss_set_aside_and_recomputed(
+    engine: FusionEngine, tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    index = FusionIndex.open(engine, tmp_path, config=CONFIG)
+    index.add_texts(CORPUS_A)
+    hits = index.search(QUESTION, 3)
+    victim, donor = hits[1].chunk_id, hits[2].chunk_id
+    intact = index.answer(QUESTION, k=3, sampling=GREEDY)[0]
+    intact_exact = index.answer(QUESTION, k=3, sampling=GREEDY, ratio=1.0)[0]
+    _damage(index, victim, donor, how)
+
+    with caplog.at_level(logging.WARNING):
+        damaged = index.answer(QUESTION, k=3, sampling=GREEDY)[0]
+        damaged_exact = index.answer(QUESTION, k=3, sampling=GREEDY, ratio=1.0)[0]
+    assert set(damaged.cache_misses) == {victim} and "set aside" in damaged.cache_misses[victim]
+    assert damaged_exact.text == intact_exact.text, "ratio 1.0 equals a full prefill, bad blob or not"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all("fusionrag verify" in w and str(tmp_path) in w for w in warnings), warnings
+    assert not any(index.store.has(victim, v) for v in VARIANTS)
+    assert len(list((tmp_path / "kv" / "fusionrag" / QUARANTINE_DIR).iterdir())) == 2
+
+    # NOTE: the chunk is prefilled where its cache went: exactly as if it had never had one.
+    absent = index.answer(QUESTION, k=3, sampling=GREEDY)[0]
+    assert absent.cache_misses == {victim: "no cache stored for this chunk id"}
+    assert absent.text == damaged.text and torch.equal(absent.first_token_logits, damaged.first_token_logits)
+
+    report = index.add_texts(CORPUS_A)  # NOTE: the next ingest recomputes what was set aside
+    assert report.prefills == 2 and all(index.store.has(victim, v) for v in VARIANTS)
+    repaired = index.answer(QUESTION, k=3, sampling=GREEDY)[0]
+    assert repaired.cache_misses == {} and repaired.text == intact.text
+    assert torch.allclose(repaired.first_token_logits, intact.first_token_logits, atol=1e-5)
+
+
+def test_a_blob_of_another_model_is_a_miss_logged_once_and_kept(
+    engine: FusionEngine, tokenizer: PreTrainedTokenizerBase, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    index = FusionIndex.open(engine, tmp_path, config=CONFIG)
+    index.add_texts(CORPUS_A)
+    victim = index.search(QUESTION, 3)[1].chunk_id
+    other = tiny_engine(tokenizer, seed=1)
+    for variant in VARIANTS:
+        kv = other.chunk_cache(index.collection.get(ids=[victim])["documents"][0])  # type: ignore[index]
+        index.store.put(victim, replace(kv, variant=variant))
+    with caplog.at_level(logging.WARNING):
+        first = index.answer(QUESTION, k=3, sampling=GREEDY)[0]
+        index.answer(QUESTION, k=3, sampling=GREEDY)
+    assert "another model" in first.cache_misses[victim]
+    assert len([r for r in caplog.records if victim in r.getMessage()]) == 2, "once per variant, not per request"
+    assert all(index.store.has(victim, v) for v in VARIANTS), "a reader with the wrong model destroys nothing"

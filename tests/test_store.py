@@ -218,6 +218,19 @@ def test_has_delete_list_ids(make_store: Callable[[str], KVStore]) -> None:
     assert_same(store.get("ab34", "fused", fingerprint=FP), make_kv(variant="fused"), atol=1e-2, rtol=1e-3)
 
 
+def test_quarantine_sets_one_variant_aside_once(make_store: Callable[[str], KVStore]) -> None:
+    store = make_store("float16")
+    store.put("ab12", make_kv(variant="independent"))
+    store.put("ab12", make_kv(variant="fused"))
+    where = store.quarantine("ab12", "fused")
+    assert where is not None and "ab12" in where
+    assert store.quarantine("ab12", "fused") is None, "the second caller finds nothing to move"
+    assert not store.has("ab12", "fused") and store.has("ab12", "independent")
+    assert store.list_ids("fused") == set() and store.list_ids() == {"ab12"}
+    with pytest.raises(CacheNotFoundError):
+        store.get("ab12", "fused", fingerprint=FP)
+
+
 @pytest.mark.parametrize("bad", ["", "../etc", "a/b", "a.b", "a b", "x" * 129, "é"])
 def test_bad_chunk_ids_are_refused(make_store: Callable[[str], KVStore], bad: str) -> None:
     store = make_store("float16")

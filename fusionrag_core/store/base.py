@@ -449,6 +449,18 @@ class KVStore(ABC):
     def delete(self, chunk_id: str) -> None:
         """Remove every variant of `chunk_id`; a missing entry is not an error."""
 
+    def quarantine(self, chunk_id: str, variant: Variant) -> str | None:
+        """Set the blob of `(chunk_id, variant)` aside (it failed validation): afterwards the store
+        holds no such entry, so the next ingest or verify recomputes it; the bytes are kept for a look.
+
+        Returns:
+            Where the bytes went, or None when there was no entry (another thread set it aside first).
+
+        Raises:
+            NotImplementedError: the backend cannot (the disk and Redis stores can); the blob stays.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot set a bad blob aside")
+
     @abstractmethod
     def list_ids(self, variant: Variant | None = None) -> set[str]:
         """Ids that have an entry for `variant` (for any variant when `None`)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ from fusionrag_core.store.base import (
 )
 
 _SUFFIX = ".safetensors"
+QUARANTINE_DIR = ".quarantine"
+"""Where blobs that failed validation are moved (`quarantine`); its leading dot hides it from `list_ids`."""
 
 
 class DiskKVStore(KVStore):
@@ -106,6 +109,17 @@ class DiskKVStore(KVStore):
         for variant in VARIANTS:
             with contextlib.suppress(FileNotFoundError):
                 self.path_for(chunk_id, variant).unlink()
+
+    def quarantine(self, chunk_id: str, variant: Variant) -> str | None:
+        """Move the blob to `root/.quarantine/` (never listed, never read), keeping its bytes."""
+        path = self.path_for(chunk_id, variant)
+        target = self.root / QUARANTINE_DIR / f"{path.stem}.{time.time_ns()}{_SUFFIX}"
+        target.parent.mkdir(exist_ok=True)
+        try:
+            os.rename(path, target)  # NOTE: atomic: of two threads setting it aside, one moves it.
+        except FileNotFoundError:
+            return None
+        return str(target)
 
     def list_ids(self, variant: Variant | None = None) -> set[str]:
         wanted = VARIANTS if variant is None else (validate_variant(variant),)

@@ -40,6 +40,7 @@ from fusionrag_core.store.base import (
 )
 
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_QUARANTINE_TTL_S = 7 * 24 * 3600
 
 
 def _redact(url: str) -> str:
@@ -165,6 +166,23 @@ class RedisKVStore(KVStore):
             for v in VARIANTS:
                 pipe.srem(self._index(v), chunk_id)
             pipe.execute()
+
+    def quarantine(self, chunk_id: str, variant: Variant) -> str | None:
+        """Rename the blob to `ns:quarantine:<variant>:<chunk_id>` (kept a week), out of the index."""
+        key = self._key(chunk_id, variant)
+        target = f"{self.namespace}:quarantine:{variant}:{chunk_id}"
+        with self._errors("write to"):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.rename(key, target)
+            pipe.expire(target, _QUARANTINE_TTL_S)
+            pipe.srem(self._index(variant), chunk_id)
+            try:
+                pipe.execute()
+            except redis.exceptions.ResponseError as e:
+                if "no such key" in str(e).lower():
+                    return None  # NOTE: another client set it aside first.
+                raise
+        return f"Redis key {target}"
 
     def list_ids(self, variant: Variant | None = None) -> set[str]:
         indexes = [self._index(v) for v in (VARIANTS if variant is None else (validate_variant(variant),))]
