@@ -16,8 +16,10 @@ from typing import Any
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
+    ChatResponseAsyncGen,
     ChatResponseGen,
     CompletionResponse,
+    CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
@@ -32,6 +34,7 @@ from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.prompt import FusionPrompt, check_marks, clean_output
 from fusionrag_core.store import KVStore, open_store
+from fusionrag_integrations.llama_index.aio import call_in_thread, iterate_in_thread
 
 # Per-call keyword arguments `complete`/`chat` accept (they override the LLM's fields for one call).
 GENERATION_KWARGS = frozenset({"max_new_tokens", "temperature", "top_p", "seed", "stop", "selector", "ratio"})
@@ -172,20 +175,34 @@ class FusionRAGLLM(CustomLLM):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Answer a flattened prompt (sent as one user turn through the chat template)."""
-        generation = self.stream_prompt(self._completion_prompt(prompt, formatted), **kwargs).collect()
-        meta = generation_metadata(generation)
-        return CompletionResponse(text=clean_output(generation.text), additional_kwargs=meta, raw=meta)
+        return self._complete(prompt, formatted, kwargs)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         """Like `complete`, streaming: cumulative `text`, new `delta`; the last response carries the stats."""
-        stream = self.stream_prompt(self._completion_prompt(prompt, formatted), **kwargs)
+        return _completion_responses(self.stream_prompt(self._completion_prompt(prompt, formatted), **kwargs))
 
-        def gen() -> CompletionResponseGen:
-            for text, delta, meta in _accumulate(stream):
-                yield CompletionResponse(text=text, delta=delta, additional_kwargs=meta, raw=meta or None)
+    # NOTE: the async entry points run the engine in a worker thread, so the event loop keeps
+    # running during a generation; each is decorated once (CustomLLM's fallbacks call the decorated
+    # sync methods from decorated async ones: every event fired twice).
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """`complete`, off the event loop."""
+        return await call_in_thread(self._complete, prompt, formatted, kwargs)
 
-        return gen()
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        """`stream_complete`, off the event loop: each piece reaches the loop as soon as it is decoded."""
+        return iterate_in_thread(
+            lambda: _completion_responses(self.stream_prompt(self._completion_prompt(prompt, formatted), **kwargs))
+        )
+
+    def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
+        generation = self.stream_prompt(self._completion_prompt(prompt, formatted), **kwargs).collect()
+        meta = generation_metadata(generation)
+        return CompletionResponse(text=clean_output(generation.text), additional_kwargs=meta, raw=meta)
 
     # ---- chat ------------------------------------------------------------------------------------
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> FusionPrompt:
@@ -194,22 +211,28 @@ class FusionRAGLLM(CustomLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Answer a conversation rendered by the model's chat template; marked chunks are reused."""
-        generation = self.stream_prompt(self._chat_prompt(messages), **kwargs).collect()
-        meta = generation_metadata(generation)
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=clean_output(generation.text)),
-                            additional_kwargs=meta, raw=meta)
+        return self._chat(messages, kwargs)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         """Like `chat`, streaming: cumulative message content, new `delta`; the last response carries the stats."""
-        stream = self.stream_prompt(self._chat_prompt(messages), **kwargs)
+        return _chat_responses(self.stream_prompt(self._chat_prompt(messages), **kwargs))
 
-        def gen() -> ChatResponseGen:
-            for text, delta, meta in _accumulate(stream):
-                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
-                                   additional_kwargs=meta, raw=meta or None)
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """`chat`, off the event loop."""
+        return await call_in_thread(self._chat, messages, kwargs)
 
-        return gen()
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        """`stream_chat`, off the event loop: each piece reaches the loop as soon as it is decoded."""
+        return iterate_in_thread(lambda: _chat_responses(self.stream_prompt(self._chat_prompt(messages), **kwargs)))
+
+    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
+        generation = self.stream_prompt(self._chat_prompt(messages), **kwargs).collect()
+        meta = generation_metadata(generation)
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=clean_output(generation.text)),
+                            additional_kwargs=meta, raw=meta)
 
 
 def _message_dict(message: ChatMessage) -> dict[str, str]:
@@ -227,6 +250,17 @@ def _message_dict(message: ChatMessage) -> dict[str, str]:
     content = message.content or ""
     check_marks(content)
     return {"role": message.role.value, "content": content}
+
+
+def _completion_responses(stream: GenerationStream) -> CompletionResponseGen:
+    for text, delta, meta in _accumulate(stream):
+        yield CompletionResponse(text=text, delta=delta, additional_kwargs=meta, raw=meta or None)
+
+
+def _chat_responses(stream: GenerationStream) -> ChatResponseGen:
+    for text, delta, meta in _accumulate(stream):
+        yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
+                           additional_kwargs=meta, raw=meta or None)
 
 
 def _accumulate(stream: GenerationStream) -> Iterator[tuple[str, str, dict[str, Any]]]:
