@@ -7,6 +7,7 @@ A query, top to bottom:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -355,8 +356,7 @@ class FusionEngine:
         sampling = sampling or SamplingConfig()
         select_config = self.config.select
         if ratio is not None:
-            select_config = SelectConfig(ratio, select_config.kv_deviation_layer, select_config.first_k,
-                                         select_config.seed)
+            select_config = dataclasses.replace(select_config, ratio=ratio)
         name = selector or self.config.selector
         select_fn = get_selector(name)
         self._check_length(prompt, sampling)

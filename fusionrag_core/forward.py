@@ -9,6 +9,7 @@ layer without materialising any `T x T` matrix.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +28,9 @@ class PassOutput:
 
     Attributes:
         logits: `[V]` fp32 logits of the pass's last token, or None if not asked for.
-        attention: `[S_used]` fp32 last-layer attention mass each slot received from the pass's
-            tokens (softmax per head over the visible keys, summed over heads and tokens), or None.
+        attention: `[A, S_used]` fp32 attention mass each slot received from the pass's tokens at
+            each of the A requested layers (softmax per head over the visible keys, summed over
+            heads and tokens), or None.
         probe_keys: `[H, N, D]` post-RoPE keys of the pass's tokens at `probe_layer`, or None.
     """
 
@@ -88,6 +90,7 @@ class Decoder:
         *,
         logits: bool = True,
         attention_from: int | None = None,
+        attention_layers: Sequence[int] | None = None,
         probe_layer: int | None = None,
     ) -> PassOutput:
         """Run `token_ids` `[N]` at the positions already reserved for `slots` `[N]` in `buf`.
@@ -101,8 +104,10 @@ class Decoder:
             token_ids: `[N]` int64 tokens to compute.
             slots: `[N]` buffer slots reserved for them (their positions are `buf.positions[slots]`).
             logits: compute the last token's logits.
-            attention_from: if set, report last-layer attention mass per slot received from the
-                pass's tokens at index `>= attention_from` (the question, for query-guided selection).
+            attention_from: if set, report the attention mass per slot received from the pass's
+                tokens at index `>= attention_from` (the question, for query-guided selection).
+            attention_layers: the layers to report it at, in this order (default: the last layer).
+                Without `logits` the pass stops after the deepest of them: a shallower probe is cheaper.
             probe_layer: if set, stop at this layer and return the tokens' new post-RoPE keys
                 there (nothing at this layer or above is written).
         """
@@ -113,6 +118,9 @@ class Decoder:
         k_valid = buf.valid[:S].clone()
         k_valid[slots] = True
         out = PassOutput()
+        wanted = self._attention_layers(attention_from, attention_layers)
+        stop = max(wanted) if wanted and not logits else None
+        masses: dict[int, torch.Tensor] = {}
 
         blocks = self._query_blocks(q_pos, k_pos)
         masks: dict[int | None, torch.Tensor | None] = {}
@@ -148,11 +156,11 @@ class Decoder:
                 # NOTE: a plain prefill from position 0 takes SDPA's causal fast path, no mask tensor.
                 masks[window] = None if whole_causal else self._mask(q_pos, k_pos, k_valid, window)
             mask = masks[window]
-            if attention_from is not None and last:
-                out.attention = self._attention_mass(q[0, :, attention_from:], buf.keys[i, :, :S],
-                                                     mask[attention_from:] if mask is not None else
-                                                     self._mask(q_pos[attention_from:], k_pos, k_valid, window))
-                if not logits:
+            if attention_from is not None and i in wanted:
+                masses[i] = self._attention_mass(q[0, :, attention_from:], buf.keys[i, :, :S],
+                                                 mask[attention_from:] if mask is not None else
+                                                 self._mask(q_pos[attention_from:], k_pos, k_valid, window))
+                if i == stop:
                     break  # NOTE: a selector's probe pass wants the attention mass, not the layer's output
             keys, values = buf.keys[i, :, :S][None], buf.values[i, :, :S][None]  # [1, H, S, D]
             o = self._attend(q, keys, values, mask, blocks)  # [1, Hq, N, D]
@@ -165,6 +173,8 @@ class Decoder:
                 x = x + o
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
 
+        if wanted:
+            out.attention = torch.stack([masses[layer] for layer in wanted])  # [A, S]
         if logits:
             final = self.parts.final_norm(x[:, -1:])
             out.logits = self.parts.lm_head(final)[0, 0].float()
@@ -172,6 +182,15 @@ class Decoder:
                 cap = self.parts.final_logit_softcap
                 out.logits = torch.tanh(out.logits / cap) * cap
         return out
+
+    def _attention_layers(self, attention_from: int | None, layers: Sequence[int] | None) -> tuple[int, ...]:
+        """The layers to report attention mass at (none without `attention_from`), range-checked."""
+        if attention_from is None:
+            return ()
+        wanted = tuple(int(layer) for layer in layers) if layers is not None else (self.num_layers - 1,)
+        if not wanted or any(not 0 <= layer < self.num_layers for layer in wanted):
+            raise ValueError(f"attention layers {list(wanted)} must be non-empty and in [0, {self.num_layers})")
+        return wanted
 
     @staticmethod
     def _query_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor) -> list[tuple[int, int, int]] | None:

@@ -27,18 +27,34 @@ class SelectConfig:
         kv_deviation_layer: CacheBlend's probe layer (recomputed fully up to here; 1 = second layer).
         first_k: EPIC's tokens per chunk; None spreads the same budget as `ratio` evenly over chunks.
         seed: seed of the `random` selector.
+        probe_depths: relative depths (0 = first layer, 1 = last) of the layers whose question
+            attention a query-guided selector aggregates; None = the selector's own (see each).
+            The probe pass stops at the deepest one, so shallower probes are cheaper.
+        adaptive_mass: `adaptive`'s target: the share of the question's attention mass on chunk
+            tokens that the recomputed tokens must cover.
+        adaptive_floor: `adaptive`'s smallest ratio (its largest is `ratio`).
     """
 
     ratio: float = 0.15
     kv_deviation_layer: int = 1
     first_k: int | None = None
     seed: int = 0
+    probe_depths: tuple[float, ...] | None = None
+    adaptive_mass: float = 0.5
+    adaptive_floor: float = 0.02
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
             raise InvalidRequestError(f"recompute ratio must be in [0, 1], got {self.ratio}")
         if self.first_k is not None and self.first_k < 0:
             raise InvalidRequestError(f"first_k must be >= 0, got {self.first_k}")
+        if self.probe_depths is not None and (not self.probe_depths or
+                                              any(not 0.0 <= d <= 1.0 for d in self.probe_depths)):
+            raise InvalidRequestError(f"probe_depths must be relative depths in [0, 1], got {self.probe_depths}")
+        if not 0.0 < self.adaptive_mass <= 1.0:
+            raise InvalidRequestError(f"adaptive_mass must be in (0, 1], got {self.adaptive_mass}")
+        if not 0.0 <= self.adaptive_floor <= 1.0:
+            raise InvalidRequestError(f"adaptive_floor must be in [0, 1], got {self.adaptive_floor}")
 
     def budget(self, reusable_tokens: int) -> int:
         return min(reusable_tokens, round(self.ratio * reusable_tokens))
@@ -83,19 +99,76 @@ def select_first_k(st: Stitched, budget: int, config: SelectConfig) -> torch.Ten
     return torch.cat(picked)
 
 
+def _probe_layers(st: Stitched, depths: tuple[float, ...]) -> tuple[int, ...]:
+    """Layer indices at relative `depths` (0 = first layer, 1 = last), shallowest first, deduplicated."""
+    last = st.decoder.num_layers - 1
+    return tuple(sorted({round(d * last) for d in depths}))
+
+
+def question_attention(st: Stitched, depths: tuple[float, ...]) -> torch.Tensor:
+    """`[R]` the question's attention on each reusable slot, aggregated over the probe layers.
+
+    The question is prefilled over the stitched cache up to the deepest probe layer; at each probe
+    layer its queries score every cached key (softmax per head over the whole visible context,
+    summed over heads and question tokens). Each layer's mass on the chunk tokens is normalised to
+    sum to 1 before the layers are averaged, so a layer that parks most of its mass on the prefix
+    (an attention sink) still has an equal say in which chunk tokens matter.
+    """
+    slots = st.reusable_slots
+    layers = _probe_layers(st, depths)
+    out = st.decoder.forward(st.buf, st.question_ids, st.question_slots, logits=False, attention_from=0,
+                             attention_layers=layers)
+    assert out.attention is not None
+    mass = out.attention[:, slots]  # [A, R]
+    mass = mass / mass.sum(dim=1, keepdim=True).clamp_min(1e-30)
+    return mass.mean(dim=0)
+
+
+def _query_guided(st: Stitched, budget: int, config: SelectConfig, depths: tuple[float, ...]) -> torch.Tensor:
+    slots = st.reusable_slots
+    if budget <= 0 or slots.numel() == 0:
+        return slots[:0]
+    return _top(slots, question_attention(st, config.probe_depths or depths), budget)
+
+
 def select_query_guided(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
     """FusionRAG: the tokens the question attends to most at the last layer.
 
     The question is prefilled over the stitched cache; its last-layer queries score every cached
-    key (softmax per head over the whole visible context, summed over heads and question tokens);
-    the global top-`budget` chunk tokens win, whichever chunk they sit in.
+    key (see `question_attention`); the global top-`budget` chunk tokens win, whichever chunk they
+    sit in. `config.probe_depths` overrides the last layer.
+    """
+    return _query_guided(st, budget, config, (1.0,))
+
+
+def select_query_guided_layers(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
+    """Query-guided over several layers: the question's attention at depths 1/4, 1/2, 3/4 and the
+    last layer, averaged (evidence a middle layer reads can be invisible at the last one)."""
+    return _query_guided(st, budget, config, (0.25, 0.5, 0.75, 1.0))
+
+
+def select_query_guided_early(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
+    """Query-guided with a cheaper probe: the question runs through the first half of the layers
+    only, and the attention at depths 1/4 and 1/2 is averaged (about half the probe's cost)."""
+    return _query_guided(st, budget, config, (0.25, 0.5))
+
+
+def select_adaptive(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
+    """Adaptive ratio: the fewest top tokens covering `config.adaptive_mass` of the question's
+    (last-layer, or `probe_depths`) attention on chunk tokens, at least `adaptive_floor` of them
+    and at most `budget` (= `ratio` of them).
+
+    Attention concentrated on a few tokens needs few recomputed; spread-out attention gets the
+    whole budget.
     """
     slots = st.reusable_slots
     if budget <= 0 or slots.numel() == 0:
         return slots[:0]
-    out = st.decoder.forward(st.buf, st.question_ids, st.question_slots, logits=False, attention_from=0)
-    assert out.attention is not None
-    return _top(slots, out.attention[slots], budget)
+    scores = question_attention(st, config.probe_depths or (1.0,))
+    covered = torch.cumsum(torch.sort(scores.float(), descending=True).values, dim=0)  # [R], ends at 1
+    need = int(torch.searchsorted(covered, torch.tensor([config.adaptive_mass], device=covered.device))[0]) + 1
+    floor = min(budget, math.ceil(config.adaptive_floor * slots.numel()))
+    return _top(slots, scores, max(floor, min(need, budget)))
 
 
 def select_kv_deviation(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
@@ -119,6 +192,9 @@ def select_kv_deviation(st: Stitched, budget: int, config: SelectConfig) -> torc
 
 SELECTORS: dict[str, Selector] = {
     "query_guided": select_query_guided,
+    "query_guided_layers": select_query_guided_layers,
+    "query_guided_early": select_query_guided_early,
+    "adaptive": select_adaptive,
     "kv_deviation": select_kv_deviation,
     "first_k": select_first_k,
     "random": select_random,

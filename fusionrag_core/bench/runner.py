@@ -93,6 +93,9 @@ METHODS: dict[str, Method] = {
         Method("query_guided", "query_guided", "independent", True),
         Method("fusionrag", "query_guided", "fused", True),
         Method("random", "random", "independent", True),
+        Method("fusionrag_layers", "query_guided_layers", "fused", True),
+        Method("fusionrag_early", "query_guided_early", "fused", True),
+        Method("fusionrag_adaptive", "adaptive", "fused", True),
     )
 }
 """Every method the runner knows, by name."""

@@ -1,0 +1,149 @@
+"""The selectors beyond the paper's: several probe layers, a shallower (cheaper) probe, an adaptive
+ratio. Tiny random Llama and Gemma 3 models (a sliding-window architecture), SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from fusionrag_core.decode import SamplingConfig
+from fusionrag_core.engine import EngineConfig, FusionEngine
+from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.select import SelectConfig, get_selector, question_attention
+from fusionrag_core.stitch import Stitched
+from tests.test_engine import ARCHS, CHUNKS, _stitched, independent_caches, prompt_for
+
+NEW = ("query_guided_layers", "query_guided_early", "adaptive")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def engine(request: pytest.FixtureRequest, smollm_tokenizer: PreTrainedTokenizerBase) -> FusionEngine:
+    torch.manual_seed(0)
+    return FusionEngine(ARCHS[request.param]().eval(), smollm_tokenizer, name=request.param)
+
+
+def _probe(st: Stitched, layers: tuple[int, ...]) -> torch.Tensor:
+    out = st.decoder.forward(st.buf, st.question_ids, st.question_slots, logits=False, attention_from=0,
+                             attention_layers=layers)
+    assert out.attention is not None
+    return out.attention
+
+
+def test_attention_at_several_layers_matches_transformers(engine: FusionEngine) -> None:
+    # One independent chunk right after the prefix is exact: the stitched cache equals a full prefill,
+    # so the question's attention at every layer must equal transformers' eager attention weights.
+    if engine.name == "gemma3":
+        pytest.skip("eager weights of sliding layers need the window mask; the llama case covers the arithmetic")
+    prompt = prompt_for(engine, CHUNKS[:1])
+    st = _stitched(engine, CHUNKS[:1])
+    layers = tuple(range(engine.decoder.num_layers))
+    mass = _probe(st, layers)  # [L, S]
+    model = engine.model
+    impl = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    try:
+        with torch.inference_mode():
+            attentions = model(prompt.token_ids()[None], output_attentions=True, use_cache=False).attentions
+    finally:
+        model.config._attn_implementation = impl
+    q = int(prompt.question.shape[0])
+    for layer in layers:
+        expected = attentions[layer][0, :, -q:, :].sum(dim=(0, 1))  # [T]
+        torch.testing.assert_close(mass[layer, : expected.shape[0]], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_shallow_probe_stops_at_its_deepest_layer(engine: FusionEngine) -> None:
+    st = _stitched(engine, CHUNKS)
+    deep = _probe(st, (engine.decoder.num_layers - 1,))
+    st = _stitched(engine, CHUNKS)
+    shallow = _probe(st, (0, 1))
+    assert shallow.shape == (2, deep.shape[1])
+    q = st.question_slots
+    # the question's K/V were written at the probe layers and nowhere deeper: the deeper layers never ran
+    assert bool(st.buf.keys[1, :, q].abs().sum() > 0)
+    assert bool((st.buf.keys[2:, :, q] == 0).all()) and bool((st.buf.values[2:, :, q] == 0).all())
+    # the same layer reads the same attention however deep the probe goes
+    st = _stitched(engine, CHUNKS)
+    both = _probe(st, (1, engine.decoder.num_layers - 1))
+    torch.testing.assert_close(both[0], shallow[1])
+    torch.testing.assert_close(both[1], deep[0])
+
+
+def test_question_attention_averages_layer_shares(engine: FusionEngine) -> None:
+    st = _stitched(engine, CHUNKS)
+    last = engine.decoder.num_layers - 1
+    per_layer = _probe(st, (0, last))[:, st.reusable_slots]
+    expected = (per_layer / per_layer.sum(dim=1, keepdim=True)).mean(dim=0)
+    st = _stitched(engine, CHUNKS)
+    got = question_attention(st, (0.0, 1.0))
+    torch.testing.assert_close(got, expected)
+    assert got.sum().item() == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_new_selectors_are_deterministic_and_respect_the_budget(engine: FusionEngine, name: str) -> None:
+    config = SelectConfig(ratio=0.25)
+    picks = []
+    for _ in range(2):
+        st = _stitched(engine, CHUNKS)
+        budget = config.budget(st.num_reused_tokens)
+        picks.append(get_selector(name)(st, budget, config))
+    assert torch.equal(picks[0], picks[1])
+    assert 0 < picks[0].numel() <= budget
+    assert bool(torch.isin(picks[0], st.reusable_slots).all())
+    assert bool((picks[0][1:] > picks[0][:-1]).all())  # sorted, no duplicates
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_new_selectors_at_ratio_one_equal_a_full_prefill(engine: FusionEngine, name: str) -> None:
+    prompt = prompt_for(engine, CHUNKS)
+    caches = independent_caches(engine, CHUNKS)
+    sampling = SamplingConfig(max_new_tokens=4)
+    full = engine.full_attention(prompt, sampling=sampling).collect()
+    # adaptive spends the whole budget only when asked to cover all of the question's attention
+    covering = FusionEngine(engine.model, engine.tokenizer, config=EngineConfig(select=SelectConfig(adaptive_mass=1.0)))
+    gen = covering.generate(prompt, caches=caches, selector=name, ratio=1.0, sampling=sampling)
+    assert gen.recomputed_tokens == sum(c.num_tokens for c in caches.values())  # type: ignore[attr-defined]
+    assert (gen.first_token_logits - full.first_token_logits).abs().max().item() < 1e-3
+    assert gen.token_ids == full.token_ids
+
+
+def test_adaptive_takes_the_fewest_tokens_covering_the_target(engine: FusionEngine) -> None:
+    st = _stitched(engine, CHUNKS)
+    scores = question_attention(st, (1.0,))
+    ranked = torch.sort(scores, descending=True).values
+    reusable = st.num_reused_tokens
+    for target in (0.05, 0.2, 0.4):
+        st = _stitched(engine, CHUNKS)
+        picked = get_selector("adaptive")(st, reusable, SelectConfig(adaptive_mass=target, adaptive_floor=0.0))
+        k = picked.numel()
+        assert ranked[:k].sum().item() >= target - 1e-6
+        assert k == 1 or ranked[: k - 1].sum().item() < target + 1e-6
+    # the floor and the ceiling (the budget) bound it
+    st = _stitched(engine, CHUNKS)
+    assert get_selector("adaptive")(st, 3, SelectConfig(adaptive_mass=1.0)).numel() == 3
+    st = _stitched(engine, CHUNKS)
+    floor = SelectConfig(adaptive_mass=1e-6, adaptive_floor=0.5)
+    assert get_selector("adaptive")(st, reusable, floor).numel() == -(-reusable // 2)
+
+
+def test_probe_depths_override_and_are_checked(engine: FusionEngine) -> None:
+    st = _stitched(engine, CHUNKS)
+    early = get_selector("query_guided_early")(st, 6, SelectConfig())
+    st = _stitched(engine, CHUNKS)
+    same = get_selector("query_guided")(st, 6, SelectConfig(probe_depths=(0.25, 0.5)))
+    assert torch.equal(early, same)
+    for bad in ((), (1.5,), (-0.1, 0.5)):
+        with pytest.raises(InvalidRequestError, match="probe_depths"):
+            SelectConfig(probe_depths=bad)
+    with pytest.raises(InvalidRequestError, match="adaptive_mass"):
+        SelectConfig(adaptive_mass=0.0)
+
+
+def test_probe_layers_out_of_range_are_refused(engine: FusionEngine) -> None:
+    st = _stitched(engine, CHUNKS)
+    with pytest.raises(ValueError, match="attention layers"):
+        _probe(st, (engine.decoder.num_layers,))
