@@ -32,7 +32,7 @@ from fusionrag_core.errors import (
 )
 from fusionrag_core.forward import Decoder
 from fusionrag_core.kv import ChunkKV, Variant
-from fusionrag_core.prefill import prefill_chunk, prefill_prefix
+from fusionrag_core.prefill import prefill_chunk, prefill_chunks, prefill_prefix
 from fusionrag_core.prompt import DEFAULT_INSTRUCTION, FusionPrompt, PromptLayout
 from fusionrag_core.recompute import recompute
 from fusionrag_core.select import SelectConfig, get_selector
@@ -289,6 +289,17 @@ class FusionEngine:
         ids = self.layout.chunk_ids(text) if isinstance(text, str) else text
         prefix = self.prefix_cache(self.layout.prefix_ids(instruction or self.config.instruction))
         return prefill_chunk(self.decoder, prefix, ids.to(self.device), self.fingerprint, neighbours)
+
+    def chunk_caches(
+        self, token_ids: Sequence[torch.Tensor], neighbours: Sequence[Sequence[ChunkKV]]
+    ) -> list[ChunkKV]:
+        """`chunk_cache` for several chunks (ids from `layout.chunk_ids`) in one packed pass; equal
+        to one call per chunk within fp tolerance (see `prefill.prefill_chunks`)."""
+        if len(token_ids) == 1:
+            return [self.chunk_cache(token_ids[0], neighbours[0])]
+        prefix = self.prefix_cache(self.layout.prefix_ids(self.config.instruction))
+        return prefill_chunks(self.decoder, prefix, [t.to(self.device) for t in token_ids], self.fingerprint,
+                              neighbours)
 
     def _lookup(
         self, caches: Mapping[str, ChunkKV] | None, variant: Variant, store: KVStore | None, *, exact_first: bool

@@ -21,6 +21,9 @@ from fusionrag_core.errors import UnsupportedModelError
 from fusionrag_core.kv import KVBuffer
 from fusionrag_core.rope import apply_rope, cos_sin
 
+Segment = tuple[int, int, int, int]
+"""`(r0, r1, k0, k1)`: pass rows `r0:r1` are one packed sequence whose keys are slots `k0:k1`."""
+
 
 @dataclass
 class PassOutput:
@@ -92,6 +95,7 @@ class Decoder:
         attention_from: int | None = None,
         attention_layers: Sequence[int] | None = None,
         probe_layer: int | None = None,
+        segments: Sequence[Segment] | None = None,
     ) -> PassOutput:
         """Run `token_ids` `[N]` at the positions already reserved for `slots` `[N]` in `buf`.
 
@@ -110,7 +114,12 @@ class Decoder:
                 Without `logits` the pass stops after the deepest of them: a shallower probe is cheaper.
             probe_layer: if set, stop at this layer and return the tokens' new post-RoPE keys
                 there (nothing at this layer or above is written).
+            segments: packed independent sequences (a batch of chunk prefills in one pass): rows
+                `r0:r1` of the pass attend only to slots `k0:k1`, by position within them. Each
+                sequence's slots hold its own context, so sequences never see each other.
         """
+        if segments is not None and (logits or attention_from is not None or probe_layer is not None):
+            raise ValueError("a packed pass (segments) computes K/V only: pass logits=False, no attention_from/probe")
         N = int(token_ids.shape[0])
         S = buf.length
         q_pos = buf.positions[slots]  # [N]
@@ -122,7 +131,7 @@ class Decoder:
         stop = max(wanted) if wanted and not logits else None
         masses: dict[int, torch.Tensor] = {}
 
-        blocks = self._query_blocks(q_pos, k_pos)
+        blocks = self._query_blocks(q_pos, k_pos) if segments is None else None
         masks: dict[int | None, torch.Tensor | None] = {}
         cos_sin_by_table: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         x = self.parts.embed_tokens(token_ids.to(self.device)[None])  # [1, N, C]
@@ -150,12 +159,12 @@ class Decoder:
                 break  # NOTE: only the last layer's K/V are wanted (a chunk prefill): skip its attention and MLP
 
             window = self.windows[i]
-            if window not in masks:
+            if segments is None and window not in masks:
                 whole_causal = window is None and N == S and bool(k_valid.all()) and bool(
                     (q_pos == torch.arange(S, device=q_pos.device)).all())
                 # NOTE: a plain prefill from position 0 takes SDPA's causal fast path, no mask tensor.
                 masks[window] = None if whole_causal else self._mask(q_pos, k_pos, k_valid, window)
-            mask = masks[window]
+            mask = masks.get(window)
             if attention_from is not None and i in wanted:
                 masses[i] = self._attention_mass(q[0, :, attention_from:], buf.keys[i, :, :S],
                                                  mask[attention_from:] if mask is not None else
@@ -163,7 +172,10 @@ class Decoder:
                 if i == stop:
                     break  # NOTE: a selector's probe pass wants the attention mass, not the layer's output
             keys, values = buf.keys[i, :, :S][None], buf.values[i, :, :S][None]  # [1, H, S, D]
-            o = self._attend(q, keys, values, mask, blocks)  # [1, Hq, N, D]
+            if segments is None:
+                o = self._attend(q, keys, values, mask, blocks)  # [1, Hq, N, D]
+            else:
+                o = self._attend_segments(q, keys, values, q_pos, k_pos, k_valid, window, segments)
 
             o = attn.o_proj(o.transpose(1, 2).reshape(1, N, self.num_heads * self.head_dim))
             if self.sandwich_norms:
@@ -222,6 +234,23 @@ class Decoder:
                                            attn_mask=mask[r0:r1, :lim], scale=self.scaling, enable_gqa=gqa)
             for r0, r1, lim in blocks
         ], dim=2)
+
+    def _attend_segments(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor,
+                         k_pos: torch.Tensor, k_valid: torch.Tensor, window: int | None,
+                         segments: Sequence[Segment]) -> torch.Tensor:
+        """SDPA of each packed sequence's rows over its own key slots only; `[1, Hq, N, D]`.
+
+        NOTE: attention costs sum(rows_i x keys_i), not N x S as one block-diagonal mask would:
+        a pass of B fused prefills does B times less attention work than one masked call.
+        """
+        gqa = self.num_heads != self.num_kv_heads
+        out = torch.empty_like(q)
+        for r0, r1, k0, k1 in segments:
+            mask = self._mask(q_pos[r0:r1], k_pos[k0:k1], k_valid[k0:k1], window)  # [n_i, s_i]
+            out[:, :, r0:r1] = F.scaled_dot_product_attention(
+                q[:, :, r0:r1], keys[:, :, k0:k1], values[:, :, k0:k1], attn_mask=mask, scale=self.scaling,
+                enable_gqa=gqa)
+        return out
 
     def _attention_mass(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention probability each key slot receives, summed over heads and queries.

@@ -53,3 +53,59 @@ def prefill_chunk(
     keys, values = buf.slice(slots)  # [L, H, T, D]
     return ChunkKV(token_ids.cpu().to(torch.int64), keys, values, buf.positions[slots].cpu(), fingerprint,
                    "fused" if neighbours else "independent")
+
+
+def prefill_chunks(
+    decoder: Decoder,
+    prefix: ChunkKV | None,
+    token_ids: Sequence[torch.Tensor],
+    fingerprint: str,
+    neighbours: Sequence[Sequence[ChunkKV]],
+) -> list[ChunkKV]:
+    """`prefill_chunk` for several chunks in one packed pass (equal within fp tolerance).
+
+    Each chunk gets its own run of slots in one buffer, laid out as `prefill_chunk` lays out a
+    single one (prefix copy, its shifted neighbours, the chunk), with positions starting at 0 for
+    each; the pass runs the linear layers over all chunks' tokens at once, and attention per chunk
+    over its own slots only (`Decoder.forward(segments=...)`), so no chunk sees another's context.
+
+    Args:
+        token_ids: per chunk, `[T_i]` int64 ids.
+        neighbours: per chunk, the caches stitched in front of it (may be empty).
+
+    Returns:
+        One ChunkKV per chunk, in order, as `prefill_chunk` returns it.
+    """
+    if len(token_ids) != len(neighbours):
+        raise ValueError(f"got {len(token_ids)} chunks and {len(neighbours)} neighbour lists; pass one list per chunk")
+    for ids in token_ids:
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"token_ids must be non-empty 1-D tensors, got shape {tuple(ids.shape)}")
+    for group in neighbours:
+        for n in group:
+            n.validate(fingerprint=fingerprint, shape=decoder.kv_shape)
+    prefix_len = prefix.num_tokens if prefix is not None else 0
+    sizes = [prefix_len + sum(n.num_tokens for n in group) + int(ids.shape[0])
+             for ids, group in zip(token_ids, neighbours, strict=True)]
+    buf = decoder.new_buffer(sum(sizes))
+    chunk_slots: list[torch.Tensor] = []
+    segments: list[tuple[int, int, int, int]] = []
+    row = 0
+    for ids, group in zip(token_ids, neighbours, strict=True):
+        first = buf.length
+        if prefix is not None:
+            buf.put(prefix, prefix.keys, 0)
+        for n in group:
+            append_shifted(decoder, buf, n, start_position=buf.length - first)
+        context = buf.length - first
+        slots = buf.reserve(torch.arange(context, context + ids.shape[0], device=decoder.device), valid=False)
+        chunk_slots.append(slots)
+        segments.append((row, row + int(ids.shape[0]), first, buf.length))
+        row += int(ids.shape[0])
+    decoder.forward(buf, torch.cat(list(token_ids)), torch.cat(chunk_slots), logits=False, segments=segments)
+    out = []
+    for ids, group, slots in zip(token_ids, neighbours, chunk_slots, strict=True):
+        keys, values = buf.slice(slots)  # [L, H, T, D]
+        out.append(ChunkKV(ids.cpu().to(torch.int64), keys, values, buf.positions[slots].cpu(), fingerprint,
+                           "fused" if group else "independent"))
+    return out

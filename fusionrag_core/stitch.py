@@ -98,9 +98,10 @@ class Stitched:
         return self.slot_tokens[self.question_slots]
 
 
-def append_shifted(decoder: Decoder, buf: KVBuffer, kv: ChunkKV) -> torch.Tensor:
-    """Append `kv` at the next consecutive positions of `buf`, its keys re-rotated to them; returns its slots `[T]`."""
-    start = buf.length
+def append_shifted(decoder: Decoder, buf: KVBuffer, kv: ChunkKV, *, start_position: int | None = None) -> torch.Tensor:
+    """Append `kv` in the next slots of `buf` at consecutive positions from `start_position` (default:
+    the slot index, as in every single-sequence buffer), its keys re-rotated to them; returns its slots `[T]`."""
+    start = buf.length if start_position is None else start_position
     new_positions = torch.arange(start, start + kv.num_tokens, device=kv.keys.device)
     keys = shift_keys(kv.keys, new_positions - kv.positions.to(kv.keys.device), decoder.rope)  # [L, H, T, D]
     return buf.put(kv, keys, start)

@@ -72,14 +72,22 @@ class Opener:
 def make_index(engine: FusionEngine, tmp_path: Path) -> Iterator[Opener]:
     opener = Opener(engine, tmp_path)
     original = engine.chunk_cache
+    original_many = engine.chunk_caches
 
     def counting(*args: Any, **kwargs: Any) -> ChunkKV:
         opener.prefills += 1
         return original(*args, **kwargs)
 
+    def counting_many(token_ids: Any, neighbours: Any) -> list[ChunkKV]:
+        if len(token_ids) > 1:  # NOTE: one chunk goes through chunk_cache, counted there.
+            opener.prefills += len(token_ids)
+        return original_many(token_ids, neighbours)
+
     engine.chunk_cache = counting  # type: ignore[method-assign]
+    engine.chunk_caches = counting_many  # type: ignore[method-assign]
     yield opener
     del engine.chunk_cache
+    del engine.chunk_caches
     engine.store = None
 
 

@@ -1,0 +1,187 @@
+"""The caches ingest computes for a chunk: independent and fused, several chunks per forward pass.
+
+One definition, used by the local `Ingestor` and by every Ray worker (`distributed.py`), so a
+chunk's caches are the same whichever process computed them:
+
+* independent: the chunk prefilled right after the canonical system prefix;
+* fused: the chunk prefilled after the prefix and its neighbours' independent caches (re-rotated
+  to consecutive positions), `neighbour_order` deciding where the nearest goes; a chunk with no
+  neighbour's fused cache is its independent one.
+
+Chunks are packed into passes of at most `prefill_batch` chunks and `prefill_tokens` buffer slots
+(`prefill.prefill_chunks`); the results equal one-at-a-time prefills within fp tolerance.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from fusionrag_core.engine import FusionEngine
+from fusionrag_core.errors import CacheCorruptError, CacheMismatchError, CacheNotFoundError, InvalidRequestError
+from fusionrag_core.kv import ChunkKV
+from fusionrag_core.store.base import KVStore, storage_torch_dtype
+
+if TYPE_CHECKING:
+    from fusionrag_core.ingest import IngestConfig
+
+log = logging.getLogger(__name__)
+
+Neighbours = Sequence[tuple[str, float]]
+"""A chunk's neighbours as `(chunk id, cosine distance)`, nearest first."""
+FusionItem = tuple[str, str, Neighbours]
+"""What a fused cache is computed from: chunk id, chunk text, its neighbours."""
+TextLookup = Callable[[str], str | None]
+"""Chunk id -> its text (to recompute a neighbour's missing independent cache), or None."""
+
+
+class IndependentCaches:
+    """Independent caches to fuse with: an LRU in memory in front of the store.
+
+    NOTE: kept at the store's precision, so a fused cache is the same whether its neighbours came
+    from memory or from the store (a resumed ingest reproduces an uninterrupted one).
+    """
+
+    def __init__(self, engine: FusionEngine, store: KVStore, budget_bytes: int) -> None:
+        self.engine = engine
+        self.store = store
+        self.budget = budget_bytes
+        self._storage_dtype = storage_torch_dtype(store.storage_dtype)
+        self._lru: OrderedDict[str, ChunkKV] = OrderedDict()
+        self._bytes = 0
+
+    def put(self, chunk_id: str, kv: ChunkKV) -> None:
+        self.store.put(chunk_id, kv)
+        self._remember(chunk_id, kv.to("cpu", self._storage_dtype))
+
+    def get(self, chunk_id: str) -> ChunkKV:
+        """The chunk's independent cache on the engine's device and dtype.
+
+        Raises:
+            CacheNotFoundError / CacheCorruptError / CacheMismatchError: from the store.
+        """
+        kv = self._lru.get(chunk_id)
+        if kv is None:
+            kv = self.store.get(chunk_id, "independent", fingerprint=self.engine.fingerprint,
+                                shape=self.engine.kv_shape, device="cpu", dtype=self._storage_dtype)
+            self._remember(chunk_id, kv)
+        else:
+            self._lru.move_to_end(chunk_id)
+        return kv.to(self.engine.device, self.engine.decoder.dtype)
+
+    def _remember(self, chunk_id: str, kv: ChunkKV) -> None:
+        if kv.nbytes > self.budget:
+            return
+        if chunk_id in self._lru:
+            self._bytes -= self._lru.pop(chunk_id).nbytes
+        self._lru[chunk_id] = kv
+        self._bytes += kv.nbytes
+        while self._bytes > self.budget:
+            self._bytes -= self._lru.popitem(last=False)[1].nbytes
+
+
+class CacheBuilder:
+    """Computes (and, for independent caches, stores) the ingest caches of chunks.
+
+    Args:
+        engine: the model.
+        store: where independent caches go and neighbours' caches come from.
+        config: `neighbour_order`, `prefill_batch`, `prefill_tokens`, `neighbour_cache_mb`.
+        text_of: finds a neighbour's text when its independent cache is unusable (the cache is
+            then recomputed); None: such a neighbour raises `InvalidRequestError`.
+    """
+
+    def __init__(self, engine: FusionEngine, store: KVStore, config: IngestConfig,
+                 text_of: TextLookup | None = None) -> None:
+        self.engine = engine
+        self.store = store
+        self.config = config
+        self.caches = IndependentCaches(engine, store, config.neighbour_cache_mb << 20)
+        self.text_of = text_of
+        self.prefills = 0
+        """Chunk prefills run (independent and fused), for reports and tests."""
+
+    def independent(self, chunks: Sequence[tuple[str, str]]) -> None:
+        """Compute and store the independent caches of `(chunk id, text)` pairs."""
+        ids = [self.engine.layout.chunk_ids(text) for _, text in chunks]
+        for group in self._groups([int(t.shape[0]) for t in ids], [0] * len(ids)):
+            kvs = self._prefill([ids[i] for i in group], [[] for _ in group])
+            for i, kv in zip(group, kvs, strict=True):
+                self.caches.put(chunks[i][0], kv)
+
+    def fused(self, items: Sequence[FusionItem]) -> list[ChunkKV]:
+        """The fused caches of `items`, in order (not stored: the caller decides when).
+
+        Raises:
+            InvalidRequestError: a neighbour has no usable independent cache and no text.
+        """
+        out: dict[int, ChunkKV] = {}
+        ids = [self.engine.layout.chunk_ids(text) for _, text, _ in items]
+        ordered = [self._ordered(neighbours) for _, _, neighbours in items]
+        for i, (cid, _, _) in enumerate(items):
+            if not ordered[i]:
+                # NOTE: a chunk with no other chunk to attend to: its fused cache is its independent one.
+                out[i] = replace(self.caches.get(cid), variant="fused")
+        todo = [i for i in range(len(items)) if i not in out]
+        sizes = [int(ids[i].shape[0]) for i in todo]
+        contexts = [self._context_tokens(ordered[i]) for i in todo]
+        for group in self._groups(sizes, contexts):
+            chosen = [todo[g] for g in group]
+            kvs = self._prefill([ids[i] for i in chosen], [[self._neighbour(n) for n in ordered[i]] for i in chosen])
+            out.update(zip(chosen, kvs, strict=True))
+        return [out[i] for i in range(len(items))]
+
+    def _ordered(self, neighbours: Neighbours) -> list[str]:
+        """Neighbour ids in the order they are stitched in front of the chunk."""
+        ordered = [nid for nid, _ in neighbours]
+        if self.config.neighbour_order == "similar_last":
+            ordered.reverse()
+        return ordered
+
+    def _context_tokens(self, neighbour_ids: Sequence[str]) -> int:
+        # NOTE: a neighbour's length is only known once its cache is loaded; the chunk budget is a
+        # good bound (chunks hold at most chunk_tokens tokens, + a separator).
+        return len(neighbour_ids) * (self.config.chunk_tokens + 4)
+
+    def _groups(self, sizes: Sequence[int], contexts: Sequence[int]) -> Iterator[list[int]]:
+        """Indices packed greedily into passes of <= prefill_batch chunks and <= prefill_tokens slots
+        (a chunk larger than the token budget gets a pass of its own)."""
+        group: list[int] = []
+        slots = 0
+        for i, (size, context) in enumerate(zip(sizes, contexts, strict=True)):
+            need = size + context
+            if group and (len(group) >= self.config.prefill_batch or slots + need > self.config.prefill_tokens):
+                yield group
+                group, slots = [], 0
+            group.append(i)
+            slots += need
+        if group:
+            yield group
+
+    def _prefill(self, token_ids: Sequence[torch.Tensor], neighbours: Sequence[Sequence[ChunkKV]]) -> list[ChunkKV]:
+        self.prefills += len(token_ids)
+        return self.engine.chunk_caches(token_ids, neighbours)
+
+    def _neighbour(self, chunk_id: str) -> ChunkKV:
+        try:
+            return self.caches.get(chunk_id)
+        except (CacheNotFoundError, CacheCorruptError, CacheMismatchError) as e:
+            # NOTE: the invariant says a Chroma chunk has its blobs; when it does not, recompute the
+            # cache from the chunk's text (the result is the same cache), rather than fuse without it.
+            text = self.text_of(chunk_id) if self.text_of is not None else None
+            if not text:
+                raise InvalidRequestError(
+                    f"neighbour chunk {chunk_id} has no usable independent cache ({e}) and no text to recompute "
+                    "it from; run FusionIndex.verify(repair=True)"
+                ) from e
+            log.warning("recomputing the independent cache of chunk %s: %s", chunk_id, e)
+            self.independent([(chunk_id, text)])
+            return self.caches.get(chunk_id)
+
+
+__all__ = ["CacheBuilder", "FusionItem", "IndependentCaches", "Neighbours", "TextLookup"]
