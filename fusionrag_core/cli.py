@@ -64,8 +64,8 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: EngineFactory | N
         engine_factory: builds the engine from the global model options (tests pass a small model).
 
     Returns:
-        0 on success; 1 when `verify` finds problems it did not repair; 2 on a usage error or a
-        FusionRAGError (printed as one line on stderr); 130 when interrupted.
+        0 on success; 1 when `verify` finds problems it did not repair; 2 on a usage error, a
+        FusionRAGError or a server lost mid-command (printed as one line on stderr); 130 when interrupted.
     """
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -83,7 +83,29 @@ def main(argv: Sequence[str] | None = None, *, engine_factory: EngineFactory | N
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        outage = _server_outage(e, args)
+        if outage is None:
+            raise
+        _fail(outage)
+        return 2
     return 2
+
+
+def _server_outage(error: Exception, args: argparse.Namespace) -> FusionRAGError | None:
+    """A FusionRAGError saying what to do when `error` is the Chroma server going away mid-command
+    (the client raises httpx's transport errors, not its own), else None."""
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - chromadb depends on httpx
+        return None
+    if not isinstance(error, httpx.TransportError):
+        return None
+    return FusionRAGError(
+        f"lost the connection to the Chroma server at {args.chroma_url} ({type(error).__name__}: {error}); "
+        "check that it is running (`chroma run --path DIR --port PORT`), then run the command again: "
+        "an interrupted ingest resumes where it stopped"
+    )
 
 
 def _fail(error: BaseException) -> None:

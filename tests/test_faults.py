@@ -6,6 +6,7 @@ Every test here failed on the main branch it was written against; each says whic
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import replace
@@ -15,6 +16,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from fusionrag_core import cli
 from fusionrag_core.corpus import CORPUS_ID_KEY, corpus_id_of
 from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
@@ -23,8 +25,9 @@ from fusionrag_core.ingest import IngestConfig
 from fusionrag_core.kv import VARIANTS
 from fusionrag_core.store import DiskKVStore
 from fusionrag_core.store.disk import QUARANTINE_DIR
+from fusionrag_core.vectordb import RetrievedChunk
 from tests.ingest_worker import tiny_engine
-from tests.servers import running_redis_server
+from tests.servers import running_chroma_server, running_redis_server
 
 CONFIG = IngestConfig(chunk_tokens=32, neighbors=2)
 CORPUS_A = [
@@ -151,3 +154,29 @@ def test_a_blob_of_another_model_is_a_miss_logged_once_and_kept(
     assert "another model" in first.cache_misses[victim]
     assert len([r for r in caplog.records if victim in r.getMessage()]) == 2, "once per variant, not per request"
     assert all(index.store.has(victim, v) for v in VARIANTS), "a reader with the wrong model destroys nothing"
+
+
+# ---- defect 7: the Chroma server going away mid-command ------------------------------------------
+@pytest.mark.servers
+def test_chroma_outage_mid_command_is_one_line_exit_2(
+    engine: FusionEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = tmp_path / "lamp.md"
+    doc.write_text(CORPUS_A[0])
+    with contextlib.ExitStack() as server:
+        url = server.enter_context(running_chroma_server())
+        common = ["--chroma-url", url, "--db", str(tmp_path / "db")]
+        ingest = [*common, "ingest", "--quiet", "--chunk-tokens", "32", "--neighbors", "2", str(doc)]
+        assert cli.main(ingest, engine_factory=lambda _: engine) == 0
+        search = FusionIndex.search
+
+        def search_after_outage(self: FusionIndex, query: str, k: int = 4) -> list[RetrievedChunk]:
+            server.close()  # NOTE: the server stops after the index was opened, before the query reaches it
+            return search(self, query, k)
+
+        monkeypatch.setattr(FusionIndex, "search", search_after_outage)
+        capsys.readouterr()
+        code = cli.main([*common, "ask", "Who designed the Lumen lighthouse?"], engine_factory=lambda _: engine)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("fusionrag: error: lost the connection to the Chroma server at " + url), err
