@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from fusionrag_core.errors import FusionRAGError, InvalidRequestError
+from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_dir
 
 if TYPE_CHECKING:
     from fusionrag_core.engine import FusionEngine, Generation
@@ -47,6 +48,52 @@ class EngineSpec:
 
 
 EngineFactory = Callable[[EngineSpec], "FusionEngine"]
+# A subcommand's handler: (parsed args, engine loader, the command line) -> exit code.
+Handler = Callable[[argparse.Namespace, Callable[[], "FusionEngine"], Sequence[str]], int]
+# Entry-point group through which other packages add subcommands (the demo lives in
+# fusionrag_integrations: the core never imports the integrations).
+COMMANDS_GROUP = "fusionrag.commands"
+
+
+@dataclass(frozen=True)
+class Command:
+    """A `fusionrag` subcommand another package contributes through the `fusionrag.commands`
+    entry-point group (`name = "package.module:COMMAND"`).
+
+    Attributes:
+        name / help / description / epilog: as `argparse` subparsers take them.
+        add_arguments: adds the subcommand's own options (the global ones are added for it).
+        run: the handler; it loads the engine only when it needs one.
+    """
+
+    name: str
+    help: str
+    description: str
+    epilog: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Handler
+
+
+def plugin_commands() -> list[Command]:
+    """The subcommands registered in the `fusionrag.commands` entry-point group, by name.
+
+    A command that cannot be loaded is left out with a warning on stderr (the others still work).
+    """
+    from importlib.metadata import entry_points
+
+    found: dict[str, Command] = {}
+    for point in entry_points(group=COMMANDS_GROUP):
+        try:
+            command = point.load()
+        except Exception as e:  # NOTE: a broken plugin must not take the core commands down with it.
+            print(f"{PROG}: warning: command {point.name!r} ({point.value}) could not be loaded: {e}", file=sys.stderr)
+            continue
+        if not isinstance(command, Command):
+            print(f"{PROG}: warning: entry point {point.value} is not a fusionrag_core.cli.Command; ignored",
+                  file=sys.stderr)
+            continue
+        found.setdefault(command.name, command)
+    return [found[name] for name in sorted(found)]
 
 
 def load_engine(spec: EngineSpec) -> FusionEngine:
@@ -56,19 +103,25 @@ def load_engine(spec: EngineSpec) -> FusionEngine:
     return FusionEngine.from_pretrained(spec.model, device=spec.device, dtype=spec.dtype)
 
 
-def main(argv: Sequence[str] | None = None, *, engine_factory: EngineFactory | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    engine_factory: EngineFactory | None = None,
+    commands: Sequence[Command] | None = None,
+) -> int:
     """Run the `fusionrag` command; returns the exit code.
 
     Args:
         argv: the arguments (default `sys.argv[1:]`).
         engine_factory: builds the engine from the global model options (tests pass a small model).
+        commands: subcommands besides the core ones (default: `plugin_commands()`, e.g. `demo`).
 
     Returns:
         0 on success; 1 when `verify` finds problems it did not repair; 2 on a usage error, a
         FusionRAGError or a server lost mid-command (printed as one line on stderr); 130 when interrupted.
     """
     args_list = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(commands)
     try:
         args = parser.parse_args(args_list)
     except SystemExit as e:  # NOTE: --help (0) and usage errors (2) end here, as numbers.
@@ -130,7 +183,7 @@ def _ratio_list(text: str) -> tuple[float, ...]:
         ) from None
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -148,10 +201,10 @@ def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
         return argparse.SUPPRESS if suppress else value
 
     group = parser.add_argument_group("global options")
-    group.add_argument("--db", default=default("./fusionrag-data"), metavar="DIR",
-                       help="data directory: chroma/ and kv/ live here (default: ./fusionrag-data)")
-    group.add_argument("--collection", default=default("fusionrag"), metavar="NAME",
-                       help="Chroma collection, one corpus (default: fusionrag)")
+    group.add_argument("--db", default=default(DEFAULT_DATA_DIR), metavar="DIR",
+                       help=f"data directory: chroma/ and kv/ live here (default: {DEFAULT_DATA_DIR})")
+    group.add_argument("--collection", default=default(DEFAULT_COLLECTION), metavar="NAME",
+                       help=f"Chroma collection, one corpus (default: {DEFAULT_COLLECTION})")
     group.add_argument("--model", default=default(None), metavar="M",
                        help='packaged alias ("smollm2-135m" default, "gemma3-270m"), a .gguf file or a model directory')
     group.add_argument("--device", default=default(None), help="cpu, cuda, cuda:1 ... (default: CUDA if available)")
@@ -165,12 +218,16 @@ def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
                        help=f"which chunk tokens to recompute: {SELECTOR_NAMES} (default: query_guided)")
     group.add_argument("--ratio", type=float, default=default(None),
                        help="fraction of reused chunk tokens to recompute (default: 0.15)")
-    group.add_argument("-k", type=_positive_int, default=default(4),
+    group.add_argument("-k", type=positive_int, default=default(4),
                        help="chunks to retrieve per question (default: 4)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `fusionrag` and its subcommands."""
+def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentParser:
+    """The argument parser of `fusionrag` and its subcommands.
+
+    Args:
+        plugins: subcommands besides the core ones (default: `plugin_commands()`).
+    """
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(
         prog=PROG,
@@ -192,18 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     _global_options(shared, suppress=True)
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
-    demo = commands.add_parser(
-        "demo", parents=[shared], formatter_class=formatter,
-        help="ingest the packaged sample corpus and answer its questions (FusionRAG vs full attention)",
-        description="Ingest the packaged sample corpus (a fictional harbour town, 7 documents) into --db, then "
-                    "answer its two-hop questions through the LangChain chain, with FusionRAG and with full "
-                    "attention, and print answers, TTFT and speedup side by side.",
-        epilog="example:\n  fusionrag demo --questions 3",
-    )
-    demo.add_argument("--questions", type=_positive_int, default=None, metavar="N",
-                      help="answer only the first N sample questions (default: all)")
-    demo.add_argument("--max-tokens", type=_positive_int, default=32, help="answer length limit (default: 32)")
-    demo.set_defaults(handler=cmd_demo)
+    for plugin in plugin_commands() if plugins is None else plugins:
+        sub = commands.add_parser(plugin.name, parents=[shared], formatter_class=formatter, help=plugin.help,
+                                  description=plugin.description, epilog=plugin.epilog)
+        plugin.add_arguments(sub)
+        sub.set_defaults(handler=plugin.run)
 
     ingest = commands.add_parser(
         "ingest", parents=[shared], formatter_class=formatter,
@@ -213,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  fusionrag ingest docs/\n  fusionrag --db /data/rag ingest a.md b.txt --neighbors 5",
     )
     ingest.add_argument("paths", nargs="+", metavar="PATH", help="files or folders (searched recursively)")
-    ingest.add_argument("--chunk-tokens", type=_positive_int, help="most model tokens per chunk (new index: 256)")
+    ingest.add_argument("--chunk-tokens", type=positive_int, help="most model tokens per chunk (new index: 256)")
     ingest.add_argument("--chunk-overlap", type=int, help="tokens shared by consecutive chunks (new index: 0)")
     ingest.add_argument("--neighbors", type=int,
                         help="similar chunks each fused cache is prefilled after (new index: 10)")
@@ -230,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
                '  fusionrag ask "..." -k 6 --ratio 0.3\n  fusionrag ask "..." --full-attention',
     )
     ask.add_argument("question", help="the question (quote it)")
-    ask.add_argument("--max-tokens", type=_positive_int, default=128, help="answer length limit (default: 128)")
+    ask.add_argument("--max-tokens", type=positive_int, default=128, help="answer length limit (default: 128)")
     ask.add_argument("--full-attention", action="store_true",
                      help="answer with a plain prefill of the whole prompt instead (the baseline; reuses nothing)")
     ask.set_defaults(handler=cmd_ask)
@@ -268,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: all but random; full_attention always runs)")
     bench.add_argument("--ratios", type=_ratio_list, default=(0.05, 0.15, 0.3),
                        help="recompute ratios, comma-separated (default: 0.05,0.15,0.3)")
-    bench.add_argument("--limit", type=_positive_int, help="first N rows (default: all)")
+    bench.add_argument("--limit", type=positive_int, help="first N rows (default: all)")
     bench.add_argument("--corpus", choices=("row", "shared"), default="row",
                        help="row: each row's passages are a corpus of their own (neighbours = the prompt's "
                             "passages); shared: every selected row's passages in one corpus, neighbours found "
@@ -280,9 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="n of fused ingest, capped at passages-1 (default: 10)")
     bench.add_argument("--neighbour-order", choices=("similar_last", "similar_first"), default="similar_last",
                        help="where the most similar neighbour goes in a fused prefill (default: similar_last)")
-    bench.add_argument("--max-passage-tokens", type=_positive_int, metavar="N",
+    bench.add_argument("--max-passage-tokens", type=positive_int, metavar="N",
                        help="cut each passage to its first N model tokens (default: whole passages)")
-    bench.add_argument("--max-new-tokens", type=_positive_int, default=32, help="answer length limit (default: 32)")
+    bench.add_argument("--max-new-tokens", type=positive_int, default=32, help="answer length limit (default: 32)")
     bench.add_argument("--storage-dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                        help="dtype of stored caches (default: float16)")
     bench.add_argument("--out", default="./bench-out", metavar="DIR",
@@ -293,19 +343,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- shared helpers -------------------------------------------------------------------------------
-def _where(args: argparse.Namespace) -> str:
+def where(args: argparse.Namespace) -> str:
     return f"collection {args.collection!r} of {args.chroma_url or args.db}"
 
 
 def _require_index(args: argparse.Namespace) -> None:
     """Fail fast (before loading a model) when there is no index to read."""
-    if args.chroma_url is None and not (Path(args.db).expanduser() / "chroma").is_dir():
+    if args.chroma_url is None and not chroma_dir(args.db).is_dir():
         raise InvalidRequestError(
             f"no index in {args.db}: run `{PROG} ingest PATH...` (or `{PROG} demo`) first, or pass --db DIR"
         )
 
 
-def _open_index(args: argparse.Namespace, engine: FusionEngine, config: IngestConfig | None = None) -> FusionIndex:
+def open_index(args: argparse.Namespace, engine: FusionEngine, config: IngestConfig | None = None) -> FusionIndex:
     from fusionrag_core.index import FusionIndex
 
     return FusionIndex.open(engine, Path(args.db).expanduser(), chroma_url=args.chroma_url, redis_url=args.redis_url,
@@ -425,7 +475,7 @@ def cmd_ingest(args: argparse.Namespace, engine: Callable[[], FusionEngine], arg
     if not docs:
         raise InvalidRequestError("every file given is empty; nothing to ingest")
     config = _ingest_config(args)
-    index = _open_index(args, engine(), config)
+    index = open_index(args, engine(), config)
     report = index.add_texts(
         [text for _, text in docs],
         metadatas=[{"source": str(path)} for path, _ in docs],
@@ -433,7 +483,7 @@ def cmd_ingest(args: argparse.Namespace, engine: Callable[[], FusionEngine], arg
         progress=not args.quiet,
     )
     print(
-        f"ingested {len(docs)} document(s) into {_where(args)}: {report.new_chunks} new chunk(s), "
+        f"ingested {len(docs)} document(s) into {where(args)}: {report.new_chunks} new chunk(s), "
         f"{report.skipped_chunks} already indexed, {report.refused_chunks} re-fused, {report.removed_chunks} removed, "
         f"in {report.seconds:.1f} s ({len(index)} chunks in the index)"
     )
@@ -448,16 +498,16 @@ def cmd_ask(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: 
     if not args.question.strip():
         raise InvalidRequestError("the question is empty; pass it in quotes: fusionrag ask \"...\"")
     _require_index(args)
-    index = _open_index(args, engine())
+    index = open_index(args, engine())
     hits = index.search(args.question, args.k)
     if not hits:
-        raise InvalidRequestError(f"{_where(args)} holds no chunks; run `{PROG} ingest PATH...` first")
+        raise InvalidRequestError(f"{where(args)} holds no chunks; run `{PROG} ingest PATH...` first")
     prompt = index.prompt_for(args.question, hits)
     sampling = SamplingConfig(max_new_tokens=args.max_tokens)
     if args.full_attention:
         stream = index.engine.full_attention(prompt, sampling=sampling)
     else:
-        stream = index.engine.stream(prompt, sampling=sampling, selector=args.selector, ratio=args.ratio)
+        stream = index.stream(prompt, sampling=sampling, selector=args.selector, ratio=args.ratio)
     for piece in stream:
         print(piece, end="", flush=True)
     assert stream.result is not None  # NOTE: set once the stream is exhausted.
@@ -471,9 +521,9 @@ def cmd_ask(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: 
 def cmd_verify(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
     """`fusionrag verify`: 0 if consistent (or repaired), 1 if problems remain."""
     _require_index(args)
-    index = _open_index(args, engine())
+    index = open_index(args, engine())
     report = index.verify(repair=args.repair)
-    print(f"{_where(args)}: {report.chunks} chunk(s) in Chroma, {report.blobs} with caches in {index.store!r}")
+    print(f"{where(args)}: {report.chunks} chunk(s) in Chroma, {report.blobs} with caches in {index.store!r}")
     if report.ok:
         print("OK: every chunk has its caches, and every cache its chunk")
         return 0
@@ -520,98 +570,21 @@ def cmd_bench(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv
     return 0
 
 
-# ---- demo -----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _DemoRow:
-    question: str
-    gold: str
-    fusion: tuple[str, float]
-    full: tuple[str, float]
-
-
-def cmd_demo(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
-    """`fusionrag demo`: ingest the sample corpus, answer its questions with FusionRAG and full attention."""
-    from tqdm.auto import tqdm
-
-    from fusionrag_core.data import load_sample_questions, sample_corpus_dir
-
-    chains = _langchain()
-    files = sorted(sample_corpus_dir().glob("*.md"))
-    questions = load_sample_questions()[: args.questions]
-    index = _open_index(args, engine())
-    print(f"Ingesting the sample corpus ({len(files)} documents about a fictional harbour town) into {_where(args)}")
-    report = index.add_texts([f.read_text(encoding="utf-8") for f in files],
-                             metadatas=[{"source": f.name} for f in files],
-                             doc_ids=[f"fusionrag-sample/{f.name}" for f in files], progress=True)
-    print(f"  {report.new_chunks} new chunk(s), {report.skipped_chunks} already there, in {report.seconds:.1f} s\n")
-
-    retriever, fusion, full = chains(index, args)
-    # NOTE: untimed warm-up: the first generation of a process pays one-time costs.
-    first = retriever.invoke(questions[0].question)
-    full.invoke({"question": questions[0].question, "documents": first}, max_tokens=1)
-    print(f"Answering {len(questions)} two-hop question(s) through the LangChain chain, k={args.k}:")
-    rows = []
-    for q in tqdm(questions, desc="questions", unit="question", leave=False):
-        docs = retriever.invoke(q.question)
-        request = {"question": q.question, "documents": docs}
-        answers = [chain.invoke(request) for chain in (fusion, full)]
-        fused, plain = ((str(a.content).strip(), float(a.response_metadata["ttft_s"])) for a in answers)
-        rows.append(_DemoRow(q.question, q.answer, fused, plain))
-    print(_demo_table(rows))
-    return 0
-
-
-def _langchain() -> Callable[[FusionIndex, argparse.Namespace], tuple[Any, Any, Any]]:
-    """A builder of (retriever, FusionRAG chain, full-attention chain) from the LangChain integration."""
-    try:
-        from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGChain, FusionRAGRetriever
-    except ImportError as e:
-        raise InvalidRequestError(
-            f"the demo runs through LangChain, which is not installed ({e}); pip install 'fusionrag[langchain]'"
-        ) from e
-
-    def build(index: FusionIndex, args: argparse.Namespace) -> tuple[Any, Any, Any]:
-        options: dict[str, Any] = {"index": index, "max_tokens": args.max_tokens, "stop": ["\n"]}
-        fusion = ChatFusionRAG(**options, selector=args.selector, ratio=args.ratio)
-        full = ChatFusionRAG(**options, full_attention=True)
-        return FusionRAGRetriever(index=index, k=args.k), FusionRAGChain(llm=fusion), FusionRAGChain(llm=full)
-
-    return build
-
-
-def _demo_table(rows: Sequence[_DemoRow]) -> str:
-    """Per question: the question and gold answer, then each method's answer with its TTFT, and the
-    speedup; a check mark where the gold answer is in the answer."""
-    from fusionrag_core.bench.metrics import median, normalize_answer
-
-    def found(gold: str, answer: str) -> bool:
-        return normalize_answer(gold) in normalize_answer(answer)
-
-    def line(method: str, answer: str, gold: str, seconds: float) -> str:
-        text = textwrap.shorten(answer or "(empty)", 56, placeholder=" …")
-        return f"    {method:<15} {'✓' if found(gold, answer) else ' '} {text:<56} {seconds:>7.2f} s"
-
-    head = f"{'#':>2}  {'question, then each answer (✓: contains the gold answer)':<74} {'TTFT':>9}"
-    lines = ["", head, "-" * (len(head) + 13)]
-    for i, r in enumerate(rows, 1):
-        lines.append(f"{i:>2}  {textwrap.shorten(r.question, 70, placeholder=' …')}  (gold: {r.gold})")
-        lines.append(line("FusionRAG", r.fusion[0], r.gold, r.fusion[1])
-                     + f"  speedup {r.full[1] / r.fusion[1]:.1f}x")
-        lines.append(line("full attention", r.full[0], r.gold, r.full[1]))
-    fused_ttft, full_ttft = median([r.fusion[1] for r in rows]), median([r.full[1] for r in rows])
-    fused_hits = sum(found(r.gold, r.fusion[0]) for r in rows)
-    full_hits = sum(found(r.gold, r.full[0]) for r in rows)
-    lines += [
-        "-" * (len(head) + 13),
-        f"median TTFT: FusionRAG {fused_ttft:.2f} s, full attention {full_ttft:.2f} s "
-        f"(speedup {full_ttft / fused_ttft:.1f}x)",
-        f"answers containing the gold answer: FusionRAG {fused_hits}/{len(rows)}, "
-        f"full attention {full_hits}/{len(rows)}",
-    ]
-    return "\n".join(lines)
-
-
-__all__ = ["EngineFactory", "EngineSpec", "build_parser", "collect_files", "load_engine", "main", "read_document"]
+__all__ = [
+    "COMMANDS_GROUP",
+    "Command",
+    "EngineFactory",
+    "EngineSpec",
+    "build_parser",
+    "collect_files",
+    "load_engine",
+    "main",
+    "open_index",
+    "plugin_commands",
+    "positive_int",
+    "read_document",
+    "where",
+]
 
 
 if __name__ == "__main__":

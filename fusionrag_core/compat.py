@@ -6,7 +6,6 @@ plain data; when transformers moves an attribute again, this is the one file to 
 
 from __future__ import annotations
 
-import inspect
 import threading
 import weakref
 from dataclasses import dataclass
@@ -14,7 +13,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import transformers
 from tokenizers import Tokenizer
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -58,7 +56,6 @@ class DecoderParts:
     layers: list[Any]  # decoder layers; Any because transformers types them loosely
     final_norm: nn.Module
     lm_head: nn.Module
-    embed_scale: float
     final_logit_softcap: float | None
 
 
@@ -120,15 +117,12 @@ def decoder_parts(model: PreTrainedModel) -> DecoderParts:
             raise UnsupportedModelError(
                 f"{type(model).__name__} attention has no {name} (fused QKV?); not supported yet"
             )
-    embed = base.embed_tokens
-    # Gemma scales embeddings by sqrt(hidden) inside its embedding module; read it, don't guess it.
-    embed_scale = float(getattr(embed, "scalar_embed_scale", 1.0))
     return DecoderParts(
-        embed_tokens=embed,
+        # NOTE: Gemma's sqrt(hidden) embedding scale is applied inside its embedding module.
+        embed_tokens=base.embed_tokens,
         layers=list(layers),
         final_norm=base.norm,
         lm_head=model.lm_head,
-        embed_scale=embed_scale,
         final_logit_softcap=getattr(config, "final_logit_softcapping", None),
     )
 
@@ -229,8 +223,3 @@ def tokenize_template(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int
         return list(tokenizer(text, add_special_tokens=False, split_special_tokens=False)["input_ids"])
     return list(pair[1].encode(text, add_special_tokens=False).ids)
 
-
-def cache_kwarg() -> str:
-    """Name of the KV-cache argument of model.forward (`past_key_values` became `cache` in 5.24)."""
-    params = inspect.signature(transformers.LlamaModel.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"

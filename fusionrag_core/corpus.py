@@ -20,12 +20,13 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from fusionrag_core.store.base import is_valid_namespace
+
 log = logging.getLogger(__name__)
 
 CORPUS_ID_KEY = "fusionrag_corpus_id"
 """Collection metadata key of the corpus id (32 hex characters)."""
 
-_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _ID_RE = re.compile(r"[0-9a-f]{32}")
 
 
@@ -47,9 +48,9 @@ def store_namespace(collection_name: str, corpus_id: str | None) -> str:
     """
     if corpus_id is None:
         name = f"fusionrag.{collection_name}"
-        return name if _NAMESPACE_RE.fullmatch(name) else "fusionrag." + _digest(collection_name)
+        return name if is_valid_namespace(name) else "fusionrag." + _digest(collection_name)
     name = f"fusionrag.{collection_name}.{corpus_id}"
-    return name if _NAMESPACE_RE.fullmatch(name) else f"fusionrag.{corpus_id}"
+    return name if is_valid_namespace(name) else f"fusionrag.{corpus_id}"
 
 
 def legacy_warning(collection_name: str, where: str) -> str:

@@ -171,13 +171,13 @@ class FusionEngine:
         tokenizer: PreTrainedTokenizerBase,
         *,
         name: str | None = None,
-        store: KVStore | None = None,
         config: EngineConfig | None = None,
     ) -> None:
+        # NOTE: no KV store here: the store travels with each request (`stream(store=...)`), so a
+        # shared engine holds no per-request state.
         self.model = model
         self.tokenizer = tokenizer
         self.name = name or str(getattr(model.config, "_name_or_path", type(model).__name__))
-        self.store = store
         self.config = config or EngineConfig()
         self.decoder = Decoder(model)
         self.layout = PromptLayout(tokenizer)
@@ -199,7 +199,6 @@ class FusionEngine:
         *,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
-        store: KVStore | None = None,
         config: EngineConfig | None = None,
     ) -> FusionEngine:
         """Load a model and build an engine.
@@ -209,11 +208,10 @@ class FusionEngine:
                 ("smollm2-135m", "gemma3-270m"), a .gguf file, a local directory, or an HF id.
             device: default CUDA if available, else CPU.
             dtype: default bf16 on GPU, fp32 on CPU.
-            store: where chunk caches are looked up by chunk id (see fusionrag_core.store).
             config: query defaults.
         """
         hf_model, tokenizer, source = model_lib.load(model, device=device, dtype=dtype)
-        return cls(hf_model, tokenizer, name=source.name, store=store, config=config)
+        return cls(hf_model, tokenizer, name=source.name, config=config)
 
     @property
     def device(self) -> torch.device:
@@ -337,32 +335,43 @@ class FusionEngine:
         return lookup
 
     # ---- generation ------------------------------------------------------------------------------
-    def generate(self, prompt: FusionPrompt, **kwargs: object) -> Generation:
-        """Answer `prompt`; same arguments as `stream`."""
-        return self.stream(prompt, **kwargs).collect()  # type: ignore[arg-type]
-
-    def stream(
+    def generate(
         self,
         prompt: FusionPrompt,
         *,
+        store: KVStore | None = None,
         sampling: SamplingConfig | None = None,
         selector: str | None = None,
         ratio: float | None = None,
         caches: Mapping[str, ChunkKV] | None = None,
         variant: Variant | None = None,
+    ) -> Generation:
+        """Answer `prompt` and return the finished Generation; the arguments are `stream`'s."""
+        return self.stream(prompt, store=store, sampling=sampling, selector=selector, ratio=ratio, caches=caches,
+                           variant=variant).collect()
+
+    def stream(
+        self,
+        prompt: FusionPrompt,
+        *,
         store: KVStore | None = None,
+        sampling: SamplingConfig | None = None,
+        selector: str | None = None,
+        ratio: float | None = None,
+        caches: Mapping[str, ChunkKV] | None = None,
+        variant: Variant | None = None,
     ) -> GenerationStream:
         """Answer `prompt`, streaming text pieces.
 
         Args:
             prompt: from `prompt()` or `prompt_from_messages()`.
+            store: where this request looks chunk caches up by chunk id (e.g. `FusionIndex.store`);
+                None: only `caches`, every other chunk is prefilled (and reported in `cache_misses`).
             sampling: max_new_tokens, temperature, top_p, seed, stop strings (default greedy, 64).
             selector: which chunk tokens to recompute (default from EngineConfig).
             ratio: recompute ratio (default from EngineConfig).
             caches: chunk caches by chunk id, looked up before the store.
             variant: preferred stored cache variant (default from EngineConfig).
-            store: where to look caches up for this request (default `self.store`); lets one
-                engine serve several indexes from several threads.
         """
         sampling = sampling or SamplingConfig()
         select_config = self.config.select
@@ -372,7 +381,7 @@ class FusionEngine:
         select_fn = get_selector(name)
         self._check_length(prompt, sampling)
         exact_first = self.config.exact_first_chunk and torch.equal(prompt.prefix.cpu(), self._canonical_prefix)
-        lookup = self._lookup(caches, variant or self.config.cache_variant, store or self.store,
+        lookup = self._lookup(caches, variant or self.config.cache_variant, store,
                               exact_first=exact_first)
         return GenerationStream(self._run(prompt, sampling, name, select_fn, select_config, lookup,
                                           in_memory=caches or ()))

@@ -23,9 +23,12 @@ from chromadb.api.models.Collection import Collection
 
 from fusionrag_core import vectordb
 from fusionrag_core.corpus import corpus_id_of, legacy_warning, store_namespace
-from fusionrag_core.engine import FusionEngine, Generation
+from fusionrag_core.decode import SamplingConfig
+from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
 from fusionrag_core.errors import CacheMismatchError, InvalidRequestError
 from fusionrag_core.ingest import IngestConfig, Ingestor, IngestReport, VerifyReport
+from fusionrag_core.kv import Variant
+from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_dir, kv_dir
 from fusionrag_core.prompt import FusionPrompt
 from fusionrag_core.store import DiskKVStore, KVStore, StorageDType, open_store
 from fusionrag_core.vectordb import RetrievedChunk
@@ -42,7 +45,7 @@ class FusionIndex:
     """Engine + Chroma collection + KV store, kept in agreement by chunk id.
 
     Args:
-        engine: the model; the index points `engine.store` at `store`.
+        engine: the model (shared freely: the index passes `store` with each request it makes).
         collection: the chunk collection (from `vectordb.open_collection`).
         store: the chunk caches.
         config: chunking and fusion settings; None = the settings the collection was built with
@@ -70,22 +73,21 @@ class FusionIndex:
         ef = embedding_function if embedding_function is not None else vectordb.default_embedding_function()
         self.config = _bind(collection, engine, config, ef)
         self.ingestor = Ingestor(engine, collection, store, self.config, ef)
-        engine.store = store
 
     @classmethod
     def open(
         cls,
         engine: FusionEngine,
-        data_dir: str | Path = "./fusionrag-data",
+        data_dir: str | Path = DEFAULT_DATA_DIR,
         *,
         chroma_url: str | None = None,
         redis_url: str | None = None,
-        collection_name: str = "fusionrag",
+        collection_name: str = DEFAULT_COLLECTION,
         config: IngestConfig | None = None,
         embedding_function: vectordb.EmbeddingFn | None = None,
         storage_dtype: StorageDType = "float16",
     ) -> FusionIndex:
-        """Open (creating if needed) an index and point `engine.store` at its KV store.
+        """Open (creating if needed) an index: a Chroma collection and its KV store.
 
         Args:
             engine: the model.
@@ -103,9 +105,8 @@ class FusionIndex:
             CacheMismatchError / InvalidRequestError: as `FusionIndex(...)`.
             FusionRAGError: a server cannot be reached.
         """
-        root = Path(data_dir).expanduser()
         ef = embedding_function if embedding_function is not None else vectordb.default_embedding_function()
-        vconfig = vectordb.VectorDBConfig(path=str(root / "chroma"), url=chroma_url, collection=collection_name)
+        vconfig = vectordb.VectorDBConfig(path=str(chroma_dir(data_dir)), url=chroma_url, collection=collection_name)
         collection = vectordb.open_collection(vconfig, ef)
         # NOTE: one store per corpus: fused caches depend on the corpus, and ingest and verify delete
         # blobs the collection does not know, so two corpora must never share a store. On Redis the
@@ -114,11 +115,11 @@ class FusionIndex:
         if redis_url is not None:
             corpus_id = corpus_id_of(collection.metadata)
             if corpus_id is None:
-                log.warning(legacy_warning(collection_name, chroma_url or str(root)))
+                log.warning(legacy_warning(collection_name, chroma_url or str(Path(data_dir).expanduser())))
             store = open_store(redis_url, storage_dtype=storage_dtype,
                                namespace=store_namespace(collection_name, corpus_id))
         else:
-            store = DiskKVStore(root / "kv" / collection_name, storage_dtype=storage_dtype)
+            store = DiskKVStore(kv_dir(data_dir, collection_name), storage_dtype=storage_dtype)
         return cls(engine, collection, store, config, embedding_function=ef)
 
     # ---- writing ------------------------------------------------------------------------------------
@@ -167,13 +168,36 @@ class FusionIndex:
         its cache is found."""
         return self.engine.prompt(question, chunks=[(c.chunk_id, c.text) for c in chunks])
 
-    def answer(self, question: str, k: int = 4, **generate_kwargs: Any) -> tuple[Generation, list[RetrievedChunk]]:
+    def stream(
+        self,
+        prompt: FusionPrompt,
+        *,
+        sampling: SamplingConfig | None = None,
+        selector: str | None = None,
+        ratio: float | None = None,
+        variant: Variant | None = None,
+    ) -> GenerationStream:
+        """`engine.stream` with this index's KV store (the store goes with the request, so one
+        engine can serve several indexes from several threads)."""
+        return self.engine.stream(prompt, store=self.store, sampling=sampling, selector=selector, ratio=ratio,
+                                  variant=variant)
+
+    def answer(
+        self,
+        question: str,
+        k: int = 4,
+        *,
+        sampling: SamplingConfig | None = None,
+        selector: str | None = None,
+        ratio: float | None = None,
+        variant: Variant | None = None,
+    ) -> tuple[Generation, list[RetrievedChunk]]:
         """Search, build the prompt and generate with the chunks' stored caches.
 
         Args:
             question: the user's question.
             k: chunks to retrieve.
-            **generate_kwargs: passed to `engine.generate` (sampling, selector, ratio, variant...).
+            sampling / selector / ratio / variant: as `FusionEngine.stream`.
 
         Raises:
             InvalidRequestError: the index is empty.
@@ -181,9 +205,8 @@ class FusionIndex:
         hits = self.search(question, k)
         if not hits:
             raise InvalidRequestError("the index holds no chunks; add documents with add_texts first")
-        # NOTE: the store goes with the request, so one engine can serve several indexes at once.
-        generate_kwargs.setdefault("store", self.store)
-        return self.engine.generate(self.prompt_for(question, hits), **generate_kwargs), hits
+        prompt = self.prompt_for(question, hits)
+        return self.stream(prompt, sampling=sampling, selector=selector, ratio=ratio, variant=variant).collect(), hits
 
     def __len__(self) -> int:
         return self.collection.count()

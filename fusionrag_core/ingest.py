@@ -381,7 +381,8 @@ class Ingestor:
                     )
                 continue
             seen_text[doc_id] = text
-            user_meta = self._check_metadata(doc_id, meta)
+            # NOTE: checked before any prefill: a bad value found at the Chroma add would leave orphans.
+            user_meta = vectordb.check_metadata(f"document {doc_id!r}", meta, RESERVED_KEYS)
             docs[doc_id] = []
             for index, piece in enumerate(self.chunker.split(text)):
                 cid = chunk_id(piece, self.engine.fingerprint, self.config.chunking)
@@ -390,25 +391,6 @@ class Ingestor:
                 if doc_id not in chunk.owners:
                     chunk.owners.append(doc_id)
         return docs, chunks
-
-    @staticmethod
-    def _check_metadata(doc_id: str, metadata: Mapping[str, Any] | None) -> dict[str, Primitive]:
-        # NOTE: checked before any prefill: a bad value found at the Chroma add would leave orphans.
-        out: dict[str, Primitive] = {}
-        for key, value in (metadata or {}).items():
-            if key in RESERVED_KEYS:
-                raise InvalidRequestError(
-                    f"metadata of document {doc_id!r} uses the reserved key {key!r} (FusionRAG bookkeeping: "
-                    f"{sorted(RESERVED_KEYS)}); rename it"
-                )
-            bad_float = isinstance(value, float) and not math.isfinite(value)
-            if not isinstance(key, str) or not isinstance(value, str | int | float | bool) or bad_float:
-                raise InvalidRequestError(
-                    f"metadata of document {doc_id!r} has {key!r}={type(value).__name__}; only finite "
-                    "str/int/float/bool values can be stored in the vector DB"
-                )
-            out[key] = value
-        return out
 
     def _text_of(self, chunk_id: str) -> str | None:
         row = self._rows([chunk_id]).get(chunk_id)

@@ -14,6 +14,7 @@ import functools
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -28,6 +29,7 @@ from chromadb.utils.embedding_functions import SentenceTransformerEmbeddingFunct
 
 from fusionrag_core.corpus import CORPUS_ID_KEY, corpus_id_of, new_corpus_id
 from fusionrag_core.errors import FusionRAGError, InvalidRequestError
+from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_dir
 
 EMBEDDING_ID = "sentence-transformers/all-MiniLM-L6-v2"
 """Identity recorded in collections embedded by `default_embedding_function()`."""
@@ -122,9 +124,9 @@ class VectorDBConfig:
         collection: collection name (3-512 chars of `[A-Za-z0-9._-]`, alphanumeric at both ends).
     """
 
-    path: str = "./fusionrag-data/chroma"
+    path: str = str(chroma_dir(DEFAULT_DATA_DIR))
     url: str | None = None
-    collection: str = "fusionrag"
+    collection: str = DEFAULT_COLLECTION
 
     def __post_init__(self) -> None:
         if _COLLECTION_RE.fullmatch(self.collection) is None:
@@ -272,17 +274,34 @@ class RetrievedChunk:
     metadata: dict[str, Primitive] = field(default_factory=dict, hash=False)
 
 
-def _check_metadata(chunk_id: str, metadata: Mapping[str, Any] | None) -> dict[str, Primitive] | None:
-    if not metadata:
-        return None  # NOTE: Chroma rejects empty metadata dicts; None means "no metadata".
-    for key, value in metadata.items():
+def check_metadata(
+    what: str, metadata: Mapping[str, Any] | None, reserved: AbstractSet[str] = frozenset()
+) -> dict[str, Primitive]:
+    """`metadata` as Chroma stores it: str keys, finite str/int/float/bool values.
+
+    Args:
+        what: whose metadata, for the error message (e.g. "document 'a.md'").
+        metadata: the values to check (None: none).
+        reserved: keys the caller keeps for its own bookkeeping.
+
+    Raises:
+        InvalidRequestError: a reserved key, a non-str key or a value of another type (or NaN/inf).
+    """
+    out: dict[str, Primitive] = {}
+    for key, value in (metadata or {}).items():
+        if key in reserved:
+            raise InvalidRequestError(
+                f"metadata of {what} uses the reserved key {key!r} (FusionRAG bookkeeping: "
+                f"{sorted(reserved)}); rename it"
+            )
         bad_float = isinstance(value, float) and not math.isfinite(value)
         if not isinstance(key, str) or not isinstance(value, Primitive) or bad_float:
             raise InvalidRequestError(
-                f"metadata of chunk {chunk_id!r} has {key!r}={type(value).__name__}; only str/int/float/bool "
+                f"metadata of {what} has {key!r}={type(value).__name__}; only finite str/int/float/bool "
                 "values are stored in the vector DB (ids and bookkeeping; tensors go to the KV store)"
             )
-    return dict(metadata)
+        out[key] = value
+    return out
 
 
 def add_chunks(
@@ -310,7 +329,8 @@ def add_chunks(
         )
     if len(set(ids)) != len(ids) or not all(isinstance(i, str) and i for i in ids):
         raise InvalidRequestError("add_chunks needs unique, non-empty string ids")
-    checked = [_check_metadata(i, m) for i, m in zip(ids, metas, strict=True)]
+    # NOTE: Chroma rejects empty metadata dicts; None means "no metadata".
+    checked = [check_metadata(f"chunk {i!r}", m) or None for i, m in zip(ids, metas, strict=True)]
     for start in range(0, len(ids), _BATCH):
         sl = slice(start, start + _BATCH)
         collection.upsert(
@@ -318,20 +338,6 @@ def add_chunks(
             documents=texts[sl],
             metadatas=cast(Any, checked[sl]),  # NOTE: Chroma's stubs reject None entries it accepts.
         )
-
-
-def get_embeddings(collection: Collection, ids: Iterable[str]) -> dict[str, list[float]]:
-    """The stored embeddings of `ids`; ids not in the collection are absent from the result."""
-    wanted = list(dict.fromkeys(ids))
-    out: dict[str, list[float]] = {}
-    for start in range(0, len(wanted), _BATCH):
-        res = collection.get(ids=wanted[start : start + _BATCH], include=["embeddings"])
-        embeddings = res["embeddings"]
-        if embeddings is None:
-            continue
-        for chunk_id, emb in zip(res["ids"], embeddings, strict=True):
-            out[chunk_id] = [float(x) for x in emb]
-    return out
 
 
 def query_neighbours(
@@ -344,7 +350,7 @@ def query_neighbours(
 
     Args:
         collection: from `open_collection`.
-        embedding: a query vector (e.g. from `get_embeddings`).
+        embedding: a query vector.
         n: how many neighbours to return at most.
         exclude_ids: ids never returned (e.g. the chunk itself).
 
@@ -395,13 +401,6 @@ def delete_ids(collection: Collection, ids: Iterable[str]) -> None:
     # NOTE: Chroma rejects delete(ids=[]); the loop makes an empty `ids` a no-op instead.
     for start in range(0, len(wanted), _BATCH):
         collection.delete(ids=wanted[start : start + _BATCH])
-
-
-def delete_where(collection: Collection, doc_id: str) -> list[str]:
-    """Delete every chunk whose metadata has `doc_id`; returns their ids (to drop their KV caches)."""
-    ids = collection.get(where={DOC_ID_KEY: doc_id}, include=[])["ids"]
-    delete_ids(collection, ids)
-    return list(ids)
 
 
 def all_ids(collection: Collection) -> set[str]:

@@ -44,7 +44,6 @@ class TinyEngines:
                                  max_position_embeddings=4096)
             torch.manual_seed(self.seed)
             self._engine = FusionEngine(LlamaForCausalLM(config).eval(), self.tokenizer, name=f"tiny-{self.seed}")
-        self._engine.store = None
         return self._engine
 
 

@@ -88,7 +88,6 @@ def make_index(engine: FusionEngine, tmp_path: Path) -> Iterator[Opener]:
     yield opener
     del engine.chunk_cache
     del engine.chunk_caches
-    engine.store = None
 
 
 def _metadata(index: FusionIndex, ids: list[str] | None = None) -> dict[str, dict]:

@@ -106,7 +106,6 @@ def tiny_store(tmp_path_factory: pytest.TempPathFactory, caches: dict[str, Chunk
 @pytest.fixture
 def chat(tiny_engine: FusionEngine, tiny_store: KVStore) -> Iterator[ChatFusionRAG]:
     yield ChatFusionRAG(engine=tiny_engine, store=tiny_store, max_tokens=6)
-    tiny_engine.store = None
 
 
 def _ask(chat: ChatFusionRAG, docs: list[Document], **kwargs: Any) -> AIMessage:
@@ -134,11 +133,10 @@ def test_construction_is_lazy_and_defaults_to_the_data_dir_store(
     chat.invoke("Hello")
     chat.invoke("Hello again")
     assert len(loads) == 1 and loads[0]["model"] is None
-    store = loads[0]["store"]
+    assert "store" not in loads[0]  # the store travels with each request, never with the engine
+    store = chat.kv_store()
     assert isinstance(store, DiskKVStore)
     assert store.root.resolve() == (tmp_path / "fusionrag-data" / "kv" / "fusionrag").resolve()
-    assert chat.kv_store() is store and tiny_engine.store is store
-    tiny_engine.store = None
 
 
 def test_conflicting_or_invalid_arguments_are_refused(tiny_engine: FusionEngine, tiny_store: KVStore) -> None:
@@ -155,7 +153,6 @@ def test_conflicting_or_invalid_arguments_are_refused(tiny_engine: FusionEngine,
         chat.invoke("Hello", caches={"x": "y"})
     with pytest.raises(InvalidRequestError, match="temperature"):
         chat.invoke("Hello", temperature=-1.0)
-    tiny_engine.store = None
 
 
 # ---- messages and prompt text ------------------------------------------------------------------------
@@ -326,7 +323,6 @@ def test_completion_llm_reports_statistics(
     async_result = asyncio.run(llm.agenerate([prompt]))
     assert async_result.generations[0][0].text == generation.text
     assert llm._get_ls_params()["ls_provider"] == "fusionrag"
-    tiny_engine.store = None
 
 
 # ---- the explicit path: documents by id -------------------------------------------------------------
@@ -356,7 +352,6 @@ def tiny_index(tiny_engine: FusionEngine, tmp_path_factory: pytest.TempPathFacto
                                                                                                neighbors=2))
     index.add_texts(TEXTS, [{"topic": f"t{i}"} for i in range(len(TEXTS))], doc_ids=[f"doc{i}" for i in range(5)])
     yield index
-    tiny_engine.store = None
 
 
 def test_retriever_returns_chunk_ids_and_cache_status(tiny_index: FusionIndex) -> None:
@@ -397,7 +392,8 @@ def test_lcel_chain_over_the_index_reuses_retrieved_chunks(tiny_index: FusionInd
     engine = tiny_index.engine
     plain = [{"role": "system", "content": "Answer from the context."},
              {"role": "user", "content": str(messages.to_messages()[1].content)}]
-    direct = engine.generate(engine.prompt_from_messages(plain), sampling=SamplingConfig(max_new_tokens=6))
+    direct = engine.generate(engine.prompt_from_messages(plain), store=tiny_index.store,
+                             sampling=SamplingConfig(max_new_tokens=6))
     assert isinstance(direct, Generation) and answer == direct.text
 
 
@@ -427,7 +423,6 @@ def test_vector_store_ingests_documents_and_deletes_by_document_id(
         FusionRAGVectorStore.from_texts(["a"], embedding=object(), index=store.index)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="unsupported argument"):
         store.similarity_search("x", k=1, filter={"doc_id": "doc-1"})
-    tiny_engine.store = None
 
 
 # ---- the real default model --------------------------------------------------------------------------
@@ -437,7 +432,6 @@ def real_chat(default_engine: FusionEngine, tmp_path_factory: pytest.TempPathFac
     for i, text in enumerate(TEXTS[:3]):
         store.put(f"real-{i}", default_engine.chunk_cache(text))
     yield ChatFusionRAG(engine=default_engine, store=store, max_tokens=24)
-    default_engine.store = None
 
 
 @pytest.mark.slow

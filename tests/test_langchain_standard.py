@@ -105,11 +105,10 @@ class TestChatFusionRAGUnit(FusionRAGChatFeatures, ChatModelUnitTests):
 
 @pytest.fixture(scope="module")
 def cached_store(default_engine: FusionEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVStore]:
-    """A store holding one chunk cache of the real model; the shared engine is left without a store."""
+    """A store holding one chunk cache of the real model (models pass it with each request)."""
     store = DiskKVStore(tmp_path_factory.mktemp("standard-kv"))
     store.put(CACHED_ID, default_engine.chunk_cache(CACHED_TEXT))
     yield store
-    default_engine.store = None
 
 
 # NOTE: `anyio` runs the suites' async tests (pytest-asyncio, in strict mode, would need a mark
@@ -160,7 +159,6 @@ def corpus_index(default_engine: FusionEngine, tmp_path_factory: pytest.TempPath
                              config=IngestConfig(chunk_tokens=64, neighbors=2))
     index.add_texts(CORPUS)
     yield index
-    default_engine.store = None
 
 
 @pytest.mark.slow

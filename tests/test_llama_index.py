@@ -70,11 +70,14 @@ def tiny_engine(smollm_tokenizer: PreTrainedTokenizerBase) -> FusionEngine:
 
 
 @pytest.fixture
-def tiny(tiny_engine: FusionEngine, tmp_path: Path) -> Iterator[FusionEngine]:
-    """The tiny engine with a fresh disk store attached (detached again afterwards)."""
-    tiny_engine.store = DiskKVStore(tmp_path / "kv")
-    yield tiny_engine
-    tiny_engine.store = None
+def tiny(tiny_engine: FusionEngine) -> FusionEngine:
+    return tiny_engine
+
+
+@pytest.fixture
+def kv(tmp_path: Path) -> KVStore:
+    """A fresh disk store (passed explicitly: an engine holds no store)."""
+    return DiskKVStore(tmp_path / "kv")
 
 
 def _nodes(texts: list[str], embeddings: list[list[float]]) -> list[TextNode]:
@@ -120,7 +123,7 @@ def test_llm_construction_is_lazy_and_refuses_mixed_sources(tiny_engine: FusionE
 
 
 def test_complete_reuses_marked_chunks_and_reports_stats(tiny: FusionEngine, tmp_path: Path) -> None:
-    # NOTE: the LLM's own store, passed per request; the engine's attached store stays empty.
+    # NOTE: the LLM's own store, passed per request.
     own = DiskKVStore(tmp_path / "own")
     own.put("c0", tiny.chunk_cache(CHUNKS[0]))
     llm = FusionRAGLLM(engine=tiny, store=str(tmp_path / "own"), max_new_tokens=GREEDY.max_new_tokens)
@@ -184,14 +187,13 @@ def test_bad_requests_are_refused_with_a_fix(tiny: FusionEngine) -> None:
 
 
 # ---- FusionKVTransform ---------------------------------------------------------------------------
-def test_transform_names_nodes_by_content_and_stores_fused_caches(tiny: FusionEngine) -> None:
-    store = tiny.store
-    assert store is not None
+def test_transform_names_nodes_by_content_and_stores_fused_caches(tiny: FusionEngine, kv: KVStore) -> None:
+    store = kv
     # node 0 is nearest to node 1; node 3 repeats node 0's text
     nodes = _nodes([*CHUNKS, CHUNKS[0]], [[1.0, 0.0], [0.9, 0.2], [0.0, 1.0], [1.0, 0.0]])
     old_ids = [n.node_id for n in nodes]
 
-    kept = FusionKVTransform(tiny, neighbors=1)(nodes)
+    kept = FusionKVTransform(tiny, store=kv, neighbors=1)(nodes)
 
     assert [n.get_content() for n in kept] == CHUNKS
     ids = [n.node_id for n in kept]
@@ -218,9 +220,10 @@ def test_transform_names_nodes_by_content_and_stores_fused_caches(tiny: FusionEn
     assert not torch.equal(fused.positions, load(ids[0], "independent").positions)
 
 
-def test_transform_rerun_computes_nothing_and_same_ids(tiny: FusionEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_transform_rerun_computes_nothing_and_same_ids(tiny: FusionEngine, kv: KVStore,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     embeddings = [[1.0, 0.0], [0.6, 0.8], [0.0, 1.0]]
-    first = [n.node_id for n in FusionKVTransform(tiny, neighbors=2)(_nodes(CHUNKS, embeddings))]
+    first = [n.node_id for n in FusionKVTransform(tiny, store=kv, neighbors=2)(_nodes(CHUNKS, embeddings))]
     calls: list[int] = []
     original = tiny.chunk_cache
 
@@ -230,29 +233,29 @@ def test_transform_rerun_computes_nothing_and_same_ids(tiny: FusionEngine, monke
 
     monkeypatch.setattr(tiny, "chunk_cache", counting)
 
-    again = [n.node_id for n in FusionKVTransform(tiny, neighbors=2)(_nodes(CHUNKS, embeddings))]
+    again = [n.node_id for n in FusionKVTransform(tiny, store=kv, neighbors=2)(_nodes(CHUNKS, embeddings))]
 
     assert again == first and calls == []
 
 
-def test_transform_refuses_documents_bad_settings_and_worker_processes(tiny: FusionEngine) -> None:
-    transform = FusionKVTransform(tiny)
+def test_transform_refuses_documents_bad_settings_and_worker_processes(tiny: FusionEngine, kv: KVStore) -> None:
+    transform = FusionKVTransform(tiny, store=kv)
     with pytest.raises(InvalidRequestError, match="node parser"):
         transform([Document(text=CHUNKS[0])])
     with pytest.raises(InvalidRequestError, match="neighbors must be"):
         FusionKVTransform(tiny, neighbors=-1)
     with pytest.raises(FusionRAGError, match="num_workers"):
         transform.__getstate__()
-    storeless = FusionKVTransform(FusionEngine(tiny.model, tiny.tokenizer))
+    storeless = FusionKVTransform(tiny)
     with pytest.raises(InvalidRequestError, match="store="):
         storeless(_nodes(CHUNKS[:1], [[1.0]]))
 
 
 # ---- retriever over a vector store, marker, template ---------------------------------------------
-def test_vector_store_retriever_returns_chunk_ids_and_refuses_foreign_nodes(tiny: FusionEngine,
+def test_vector_store_retriever_returns_chunk_ids_and_refuses_foreign_nodes(tiny: FusionEngine, kv: KVStore,
                                                                             tmp_path: Path) -> None:
     embed = MockEmbedding(embed_dim=4)
-    ours = FusionKVTransform(tiny, neighbors=1, embed_model=embed)(_nodes(CHUNKS, [[1.0, 0.0]] * 3))
+    ours = FusionKVTransform(tiny, store=kv, neighbors=1, embed_model=embed)(_nodes(CHUNKS, [[1.0, 0.0]] * 3))
     store = _chroma_store(tmp_path / "chroma", "ours")
     store.add(list(embed(ours)))
     hits = FusionRAGRetriever.from_vector_store(store, embed_model=embed, similarity_top_k=2).retrieve(QUESTION)
@@ -308,7 +311,7 @@ def pipeline_corpus(default_engine: FusionEngine, tmp_path_factory: pytest.TempP
     )
     pipeline.run(documents=documents)
     store = llm.kv_store
-    assert store is not None and store is not default_engine.store  # the caches went to the LLM's own store
+    assert store is not None  # the caches went to the LLM's own store
     yield llm, vector_store, embed, store
 
 
@@ -369,20 +372,17 @@ def test_standard_synthesizer_reuses_marked_chunks(
 def test_query_engine_over_a_fusion_index(default_engine: FusionEngine, tmp_path: Path) -> None:
     index = FusionIndex.open(default_engine, tmp_path, collection_name="li-index",
                              config=IngestConfig(chunk_tokens=64, neighbors=2))
-    try:
-        index.add_texts(CHUNKS)  # one chunk each
-        question = QUESTION
-        hits = FusionRAGRetriever.from_index(index, similarity_top_k=2).retrieve(question)
-        assert [h.node.node_id for h in hits] == [c.chunk_id for c in index.search(question, k=2)]
-        assert all(index.store.has(h.node.node_id, "fused") for h in hits)
+    index.add_texts(CHUNKS)  # one chunk each
+    question = QUESTION
+    hits = FusionRAGRetriever.from_index(index, similarity_top_k=2).retrieve(question)
+    assert [h.node.node_id for h in hits] == [c.chunk_id for c in index.search(question, k=2)]
+    assert all(index.store.has(h.node.node_id, "fused") for h in hits)
 
-        response = FusionRAGQueryEngine.from_index(
-            index, llm=FusionRAGLLM(engine=default_engine, max_new_tokens=8), similarity_top_k=2
-        ).query(question)
-        assert isinstance(response, Response)
+    response = FusionRAGQueryEngine.from_index(
+        index, llm=FusionRAGLLM(engine=default_engine, max_new_tokens=8), similarity_top_k=2
+    ).query(question)
+    assert isinstance(response, Response)
 
-        generation, _ = index.answer(question, k=2, sampling=SamplingConfig(max_new_tokens=8))
-        assert response.response == generation.text
-        assert response.metadata is not None and response.metadata["reused_tokens"] > 0
-    finally:
-        default_engine.store = None
+    generation, _ = index.answer(question, k=2, sampling=SamplingConfig(max_new_tokens=8))
+    assert response.response == generation.text
+    assert response.metadata is not None and response.metadata["reused_tokens"] > 0

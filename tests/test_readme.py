@@ -23,6 +23,32 @@ def test_readme_has_the_snippets() -> None:
     assert len(SNIPPETS) >= 3  # quickstart, LangChain, LlamaIndex
 
 
+def test_configuration_table_names_the_real_api() -> None:
+    """Every (Where, Setting) row of the README's configuration table is a field or parameter that exists."""
+    import dataclasses
+    import inspect
+
+    from fusionrag_core.decode import SamplingConfig
+    from fusionrag_core.engine import EngineConfig
+    from fusionrag_core.index import FusionIndex
+    from fusionrag_core.ingest import IngestConfig
+    from fusionrag_core.select import SelectConfig
+
+    section = _TEXT[_TEXT.index("## Configuration"):]
+    section = section[: section.index("\n## ")]
+    rows = re.findall(r"^\| `([\w.]+)` \| (.+?) \|", section, flags=re.MULTILINE)
+    real: dict[str, set[str]] = {
+        cls.__name__: {f.name for f in dataclasses.fields(cls)}
+        for cls in (EngineConfig, SelectConfig, SamplingConfig, IngestConfig)
+    }
+    real["FusionIndex.open"] = set(inspect.signature(FusionIndex.open).parameters) - {"cls", "engine"}
+    assert len(rows) >= 10
+    for where, settings in rows:
+        names = set(re.findall(r"`(\w+)`", settings))
+        assert where in real, f"README configuration table names {where!r}, which is not a configuration entry point"
+        assert names and names <= real[where], f"{where}: {sorted(names - real[where])} do not exist"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("snippet", SNIPPETS, ids=[f"snippet{i}" for i in range(len(SNIPPETS))])
 def test_readme_snippet_runs(snippet: str, default_engine: FusionEngine, tmp_path: Path,
@@ -35,11 +61,7 @@ def test_readme_snippet_runs(snippet: str, default_engine: FusionEngine, tmp_pat
 
     monkeypatch.setattr(FusionEngine, "from_pretrained", classmethod(shared))
     monkeypatch.chdir(tmp_path)
-    store = default_engine.store
-    try:
-        exec(compile(snippet, str(README), "exec"), {"__name__": "__readme__"})
-    finally:
-        default_engine.store = store
+    exec(compile(snippet, str(README), "exec"), {"__name__": "__readme__"})
     printed = capsys.readouterr().out
     assert printed.strip(), "each snippet prints its answer"
     assert "\ue000" not in printed and "\ue002" not in printed  # no chunk marks leak into output

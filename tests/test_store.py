@@ -20,7 +20,6 @@ from fusionrag_core.kv import ChunkKV, Variant
 from fusionrag_core.store import (
     DiskKVStore,
     KVStore,
-    StoreConfig,
     decode_blob,
     encode_blob,
     open_store,
@@ -407,13 +406,13 @@ def test_bad_storage_dtype_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequestError, match="float16"):
         DiskKVStore(tmp_path, storage_dtype="int8")  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError):
-        StoreConfig(storage_dtype="fp8")  # type: ignore[arg-type]
+        open_store(tmp_path / "kv", storage_dtype="fp8")  # type: ignore[arg-type]
 
 
 def test_open_store_dispatch(tmp_path: Path) -> None:
     s = open_store(tmp_path / "kv", storage_dtype="bfloat16")
     assert isinstance(s, DiskKVStore) and s.storage_dtype == "bfloat16"
-    s2 = StoreConfig(location=str(tmp_path / "kv2")).open()
+    s2 = open_store(str(tmp_path / "kv2"))
     assert isinstance(s2, DiskKVStore) and s2.root == tmp_path / "kv2" and s2.storage_dtype == "float16"
     assert (tmp_path / "kv2").is_dir()
 

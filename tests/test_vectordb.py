@@ -27,8 +27,6 @@ from fusionrag_core.vectordb import (
     all_ids,
     default_embedding_function,
     delete_ids,
-    delete_where,
-    get_embeddings,
     open_collection,
     query_neighbours,
     search,
@@ -107,8 +105,10 @@ def test_add_search_neighbours_delete(make_config: Callable[..., VectorDBConfig]
     assert scores == sorted(scores, reverse=True) and 0.3 < scores[0] <= 1.0
     assert len(search(col, "rates", 100)) == len(CHUNKS)  # k above the collection size is capped
 
-    embs = get_embeddings(col, ["cat1", "fin1", "missing"])
-    assert set(embs) == {"cat1", "fin1"} and len(embs["cat1"]) == 384
+    got = col.get(ids=["cat1", "fin1"], include=["embeddings"])
+    assert got["embeddings"] is not None
+    embs = {i: [float(x) for x in e] for i, e in zip(got["ids"], got["embeddings"], strict=True)}
+    assert len(embs["cat1"]) == 384
     near = query_neighbours(col, embs["cat1"], 2, exclude_ids=["cat1"])
     assert [i for i, _ in near] == ["cat2", "dog1"]
     assert near[0][1] <= near[1][1] and 0.0 <= near[0][1] < 1.0
@@ -121,10 +121,8 @@ def test_add_search_neighbours_delete(make_config: Callable[..., VectorDBConfig]
     add_chunks(col, ["geo1"], ["Kittens and cats are adorable pets."], [{"doc_id": "geo"}])
     assert "geo1" in [h.chunk_id for h in search(col, "adorable kittens", 2)]
 
-    deleted = delete_where(col, "finance")
-    assert sorted(deleted) == ["fin1", "fin2"]
+    delete_ids(col, ["fin1", "fin2"])
     assert all_ids(col) == set(CHUNKS) - {"fin1", "fin2"}
-    assert delete_where(col, "finance") == []
     delete_ids(col, ["dog1", "never-there"])
     delete_ids(col, [])
     assert all_ids(col) == {"cat1", "cat2", "geo1"}
@@ -232,13 +230,12 @@ class HashEmbedding(EmbeddingFunction[Documents]):
         return "fusionrag_test_hash"
 
 
-def test_all_ids_and_get_embeddings_paginate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_all_ids_and_delete_ids_paginate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vectordb, "_BATCH", 2)  # pages of 2 (get) / 8 (all_ids) on 19 chunks
     col = open_collection(VectorDBConfig(path=str(tmp_path)), HashEmbedding())
     ids = [f"c{i:02d}" for i in range(19)]
     add_chunks(col, ids, [f"chunk number {i}" for i in range(19)])
     assert all_ids(col) == set(ids)
-    assert set(get_embeddings(col, ids)) == set(ids)
     delete_ids(col, ids[:7])
     assert all_ids(col) == set(ids[7:])
 

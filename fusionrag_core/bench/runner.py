@@ -236,8 +236,8 @@ def run_benchmark(
 
     Args:
         config: what to run.
-        engine: the model (any FusionEngine: the packaged default, another model, a test model).
-            Its `store` is restored when the run ends.
+        engine: the model (any FusionEngine: the packaged default, another model, a test model);
+            each query passes its row's KV store, so the engine is left as it was.
         embedding_function: for the Chroma collections (default: the offline MiniLM).
         progress: show a tqdm bar (one step per ingest and per query).
         command: the command line, recorded in the results.
@@ -264,42 +264,38 @@ def run_benchmark(
     totals = _IngestTotals()
     results: list[RowResult] = []
     per_row: list[dict[str, Any]] = []
-    previous_store = engine.store  # NOTE: FusionIndex.open points engine.store at each index's store.
     ingests = 1 if config.corpus == "shared" else len(rows)
     # NOTE: one step per ingest and per query, so a slow row still shows progress.
     bar = tqdm(total=ingests + len(rows) * len(plan), desc="bench", unit="step", disable=not progress)
-    try:
-        with bar, tempfile.TemporaryDirectory(prefix="fusionrag-bench-") as tmp:
-            root = Path(tmp)
-            shared: _Corpus | None = None
-            if config.corpus == "shared":
-                bar.set_postfix_str(f"ingest {sum(map(len, passages))} passages")
-                shared = _ingest(engine, [p for ps in passages for p in ps], _doc_ids(passages), "shared", root,
-                                 config, ef, totals)
-                bar.update(1)
-            try:
-                offset = 0
-                for i, row in enumerate(rows):
-                    corpus = shared
-                    if corpus is None:
-                        bar.set_postfix_str(f"row {i + 1}: ingest")
-                        corpus = _ingest(engine, passages[i], [f"passage-{j}" for j in range(len(passages[i]))],
-                                         f"row{i}", root, config, ef, totals)
-                        bar.update(1)
-                    own = corpus.chunks[offset:offset + len(passages[i])] if shared is not None else corpus.chunks
-                    offset += len(passages[i])
-                    try:
-                        row_results, outputs = _run_row(engine, row, i, own, corpus, config, sampling, bar)
-                    finally:
-                        if shared is None:
-                            _drop(corpus, root)
-                    results.extend(row_results)
-                    per_row.append(outputs)
-            finally:
-                if shared is not None:
-                    _drop(shared, root)
-    finally:
-        engine.store = previous_store
+    with bar, tempfile.TemporaryDirectory(prefix="fusionrag-bench-") as tmp:
+        root = Path(tmp)
+        shared: _Corpus | None = None
+        if config.corpus == "shared":
+            bar.set_postfix_str(f"ingest {sum(map(len, passages))} passages")
+            shared = _ingest(engine, [p for ps in passages for p in ps], _doc_ids(passages), "shared", root,
+                             config, ef, totals)
+            bar.update(1)
+        try:
+            offset = 0
+            for i, row in enumerate(rows):
+                corpus = shared
+                if corpus is None:
+                    bar.set_postfix_str(f"row {i + 1}: ingest")
+                    corpus = _ingest(engine, passages[i], [f"passage-{j}" for j in range(len(passages[i]))],
+                                     f"row{i}", root, config, ef, totals)
+                    bar.update(1)
+                own = corpus.chunks[offset:offset + len(passages[i])] if shared is not None else corpus.chunks
+                offset += len(passages[i])
+                try:
+                    row_results, outputs = _run_row(engine, row, i, own, corpus, config, sampling, bar)
+                finally:
+                    if shared is None:
+                        _drop(corpus, root)
+                results.extend(row_results)
+                per_row.append(outputs)
+        finally:
+            if shared is not None:
+                _drop(shared, root)
     shares = [r["same_prompt_neighbour_share"] for r in per_row if r["same_prompt_neighbour_share"] is not None]
     return {
         "model": engine.name,

@@ -21,7 +21,6 @@ import re
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, get_args
@@ -55,6 +54,7 @@ _TENSOR_NAMES = ("token_ids", "keys", "values", "positions")
 # NOTE: ids are content hashes in practice; the charset excludes '.', '/', '\\' and anything else
 # that could escape the store root or make `<chunk_id>.<variant>.safetensors` ambiguous.
 _CHUNK_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # NOTE: a safetensors header larger than this is certainly garbage (ours are < 2 KiB).
 _MAX_HEADER_BYTES = 1 << 20
 
@@ -62,6 +62,11 @@ _MAX_HEADER_BYTES = 1 << 20
 def is_storable_chunk_id(chunk_id: object) -> bool:
     """Whether a KV store can hold `chunk_id` (see `validate_chunk_id`)."""
     return isinstance(chunk_id, str) and _CHUNK_ID_RE.fullmatch(chunk_id) is not None
+
+
+def is_valid_namespace(namespace: str) -> bool:
+    """Whether `namespace` can prefix a Redis store's keys: 1-64 characters of [A-Za-z0-9_.-]."""
+    return _NAMESPACE_RE.fullmatch(namespace) is not None
 
 
 def validate_chunk_id(chunk_id: str) -> str:
@@ -479,28 +484,6 @@ class KVStore(ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    """Where and how KV caches are stored.
-
-    Attributes:
-        location: a directory path (disk store) or a `redis://`/`rediss://`/`unix://` URL.
-        storage_dtype: dtype of stored keys/values; see `KVStore` for the precision trade-off.
-        namespace: key prefix of the Redis store (ignored by the disk store).
-    """
-
-    location: str = "./fusionrag-data/kv"
-    storage_dtype: StorageDType = "float16"
-    namespace: str = "fusionrag"
-
-    def __post_init__(self) -> None:
-        storage_torch_dtype(self.storage_dtype)
-
-    def open(self) -> KVStore:
-        """Open the store this config describes (see `open_store`)."""
-        return open_store(self.location, storage_dtype=self.storage_dtype, namespace=self.namespace)
 
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")

@@ -15,7 +15,6 @@ NOTE: the index assumes keys are never evicted or expired behind the store's bac
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
 from urllib.parse import urlsplit, urlunsplit
 
@@ -35,11 +34,11 @@ from fusionrag_core.store.base import (
     StorageDType,
     decode_blob,
     encode_blob,
+    is_valid_namespace,
     validate_chunk_id,
     validate_variant,
 )
 
-_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _QUARANTINE_TTL_S = 7 * 24 * 3600
 
 
@@ -78,7 +77,7 @@ class RedisKVStore(KVStore):
         connect_timeout_s: float = 5.0,
     ) -> None:
         super().__init__(storage_dtype)
-        if _NAMESPACE_RE.fullmatch(namespace) is None:
+        if not is_valid_namespace(namespace):
             raise InvalidRequestError(
                 f"invalid Redis namespace {namespace!r}: use 1-64 characters from [A-Za-z0-9_.-]"
             )

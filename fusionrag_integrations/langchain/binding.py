@@ -2,8 +2,8 @@
 
 A model is described by cheap fields (model id, data directory, sampling and selection knobs) and
 resolved to a `FusionEngine` on first use, so constructing one never loads weights. Its KV store is
-pointed at by `engine.store` for each request (as `FusionIndex.answer` does): that is where the
-engine looks chunk caches up by chunk id.
+passed to the engine with each request (as `FusionIndex.answer` does): that is where the engine
+looks chunk caches up by chunk id, and why one engine can serve models reading different stores.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.kv import Variant
 from fusionrag_core.model import DEFAULT_MODEL, check_device
+from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, kv_dir
 from fusionrag_core.prompt import FusionPrompt
 from fusionrag_core.select import SelectConfig, get_selector
 from fusionrag_core.store import DiskKVStore, KVStore
@@ -32,8 +32,6 @@ from fusionrag_integrations.langchain.arguments import normalize_arguments
 from fusionrag_integrations.langchain.messages import clean_output
 
 PROVIDER = "fusionrag"
-DEFAULT_DATA_DIR = "./fusionrag-data"
-DEFAULT_COLLECTION = "fusionrag"
 
 # Per-call keyword arguments a FusionRAG model accepts (`model.invoke(..., max_tokens=8)`).
 CALL_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
@@ -60,11 +58,11 @@ class RequestOptions:
     variant: Variant | None
     full_attention: bool = False
 
-    def stream(self, engine: FusionEngine, prompt: FusionPrompt) -> GenerationStream:
-        """Start generating `prompt` on `engine` with these options."""
+    def stream(self, engine: FusionEngine, prompt: FusionPrompt, store: KVStore | None) -> GenerationStream:
+        """Start generating `prompt` on `engine` with these options, reading chunk caches from `store`."""
         if self.full_attention:
             return engine.full_attention(prompt, sampling=self.sampling)
-        return engine.stream(prompt, sampling=self.sampling, selector=self.selector, ratio=self.ratio,
+        return engine.stream(prompt, store=store, sampling=self.sampling, selector=self.selector, ratio=self.ratio,
                              variant=self.variant)
 
 
@@ -72,9 +70,9 @@ class FusionRAGModelFields(BaseModel):
     """Fields and engine binding shared by `ChatFusionRAG` and `FusionRAGLLM`.
 
     Where engine and caches come from, in order: `index` (its engine and KV store); `engine` (an
-    already loaded FusionEngine) with `store`, or with the engine's own store when `store` is None;
-    else `model` is loaded on first use and reads `store`, or the disk store that
-    `FusionIndex.open(data_dir, collection_name=...)` writes.
+    already loaded FusionEngine) with `store` (None: no chunk cache is reused, every chunk is
+    prefilled and reported in `cache_miss_ids`); else `model` is loaded on first use and reads
+    `store`, or the disk store that `FusionIndex.open(data_dir, collection_name=...)` writes.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -225,16 +223,11 @@ class FusionRAGModelFields(BaseModel):
         return self.model or DEFAULT_MODEL
 
     def fusion_engine(self) -> FusionEngine:
-        """The engine, loaded on first use, with `engine.store` pointed at this model's KV store."""
-        engine, store = self._resolve()
-        if store is not None:
-            # NOTE: re-pointed per request: an engine may be shared by models reading other stores
-            # (FusionIndex.answer does the same).
-            engine.store = store
-        return engine
+        """The engine, loaded on first use."""
+        return self._resolve()[0]
 
     def kv_store(self) -> KVStore | None:
-        """The KV store this model reads chunk caches from (None: whatever `engine.store` holds)."""
+        """The KV store this model passes with each request (None: no chunk cache is reused)."""
         return self._resolve()[1]
 
     def _resolve(self) -> tuple[FusionEngine, KVStore | None]:
@@ -250,12 +243,10 @@ class FusionRAGModelFields(BaseModel):
             return self.index.engine, self.index.store
         if self.engine is not None:
             return self.engine, self.store
-        # NOTE: the layout of FusionIndex.open: <data_dir>/kv/<collection_name>.
         store = self.store
-        if store is None:
-            store = DiskKVStore(Path(self.data_dir).expanduser() / "kv" / self.collection_name)
-        engine = FusionEngine.from_pretrained(self.model, device=self.device, dtype=self.dtype, store=store)
-        return engine, store
+        if store is None:  # NOTE: the disk store FusionIndex.open(data_dir, collection_name=...) writes.
+            store = DiskKVStore(kv_dir(self.data_dir, self.collection_name))
+        return FusionEngine.from_pretrained(self.model, device=self.device, dtype=self.dtype), store
 
     # ---- requests --------------------------------------------------------------------------------
     def request_options(self, stop: Sequence[str] | None, overrides: Mapping[str, Any]) -> RequestOptions:
@@ -295,7 +286,8 @@ class FusionRAGModelFields(BaseModel):
     ) -> Iterator[str | Generation]:
         """Stream `prompt`: text pieces (mark characters removed), then the finished Generation."""
         options = self.request_options(stop, overrides)
-        stream = options.stream(self.fusion_engine(), prompt)
+        engine, store = self._resolve()
+        stream = options.stream(engine, prompt, store)
         for piece in stream:
             text = clean_output(piece)
             if text:

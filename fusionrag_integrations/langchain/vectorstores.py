@@ -23,6 +23,7 @@ from typing_extensions import Self
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.index import FusionIndex, IngestConfig
+from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR
 from fusionrag_integrations.langchain.documents import SCORE_KEY, search_documents
 
 
@@ -123,8 +124,8 @@ class FusionRAGVectorStore(VectorStore):
         ids: list[str] | None = None,
         index: FusionIndex | None = None,
         engine: FusionEngine | None = None,
-        data_dir: str | Path = "./fusionrag-data",
-        collection_name: str = "fusionrag",
+        data_dir: str | Path = DEFAULT_DATA_DIR,
+        collection_name: str = DEFAULT_COLLECTION,
         chroma_url: str | None = None,
         redis_url: str | None = None,
         config: IngestConfig | None = None,

@@ -107,14 +107,14 @@ class FusionRAGLLM(CustomLLM):
 
     @property
     def kv_store(self) -> KVStore | None:
-        """Where chunk caches are looked up: the store at `store` (opened on first use), else the engine's.
+        """Where chunk caches are looked up: the store at `store` (opened on first use); None: nowhere.
 
         NOTE: passed to the engine per request, so one engine can serve several LLMs and stores.
         """
         with self._lock:
             if self._store is None and self.store is not None:
                 self._store = open_store(self.store)
-        return self._store if self._store is not None else self.engine.store
+        return self._store
 
     @property
     def metadata(self) -> LLMMetadata:

@@ -83,8 +83,9 @@ class FusionKVTransform(TransformComponent):
 
         Args:
             engine: the engine (or a FusionRAGLLM, whose model then loads at the first batch).
-            store: where caches go; default the LLM's `kv_store` (or the engine's store). Use one store per vector store
-                collection (a FusionIndex's store is not for this: its `verify` deletes other blobs).
+            store: where caches go; default the LLM's `kv_store` (required with a bare engine). Use
+                one store per vector store collection (a FusionIndex's store is not for this: its
+                `verify` deletes other blobs).
             embed_model: ranks neighbours of nodes that carry no embedding yet (default
                 FusionRAGEmbedding; put the embed model before this step to embed only once).
             **data: `neighbors`, `fuse`, `neighbour_order`.
@@ -119,11 +120,11 @@ class FusionKVTransform(TransformComponent):
         """The KV store caches are written to.
 
         Raises:
-            InvalidRequestError: neither the transform nor the engine has a store.
+            InvalidRequestError: neither the transform nor its FusionRAGLLM has a store.
         """
         store = self._store
-        if store is None:
-            store = self._engine.kv_store if isinstance(self._engine, FusionRAGLLM) else self._engine.store
+        if store is None and isinstance(self._engine, FusionRAGLLM):
+            store = self._engine.kv_store
         if store is None:
             raise InvalidRequestError(
                 "FusionKVTransform has no KV store to write caches to; pass store=open_store('./fusionrag-data/kv') "
