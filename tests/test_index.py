@@ -104,17 +104,21 @@ def test_reopen_refuses_another_model_and_other_settings(
     assert len(fresh) == 0 and fresh.store.list_ids() == set()
 
 
-def test_wrong_model_blob_is_refused_at_query_and_repaired_by_verify(engine: FusionEngine, tmp_path: Path) -> None:
+def test_wrong_model_blob_is_a_miss_at_query_and_repaired_by_verify(engine: FusionEngine, tmp_path: Path) -> None:
     index = FusionIndex.open(engine, tmp_path, config=CONFIG)
     index.add_texts([LIGHTHOUSE, BIRTH])
     (victim,) = [h.chunk_id for h in index.search("lighthouse designed", 1)]
-    # NOTE: a one-chunk answer reads the chunk's independent cache (exact right after the prefix).
-    good = index.store.get(victim, "independent", fingerprint=engine.fingerprint)
-    index.store.put(victim, replace(good, fingerprint="f" * 32))
-    with pytest.raises(CacheMismatchError, match="re-ingest"):
-        index.answer("Who designed the Lumen lighthouse?", k=1, sampling=SamplingConfig(max_new_tokens=1))
+    # NOTE: a one-chunk answer reads the chunk's independent cache (exact right after the prefix), then
+    # its fused one: both are made another model's.
+    for variant in ("independent", "fused"):
+        good = index.store.get(victim, variant, fingerprint=engine.fingerprint)
+        index.store.put(victim, replace(good, fingerprint="f" * 32))
+    # another model's blob is never used: the chunk is prefilled, and the miss says why and what to do
+    missed, _ = index.answer("Who designed the Lumen lighthouse?", k=1, sampling=SamplingConfig(max_new_tokens=1))
+    assert set(missed.cache_misses) == {victim} and "re-ingest" in missed.cache_misses[victim]
+    assert missed.reused_tokens == 0
     report = index.verify()
-    assert report.mismatched == 1 and report.repaired and report.recomputed == 1
+    assert report.mismatched == 2 and report.repaired and report.recomputed == 2
     generation, _ = index.answer("Who designed the Lumen lighthouse?", k=1, sampling=SamplingConfig(max_new_tokens=1))
     assert generation.cache_misses == {}
     assert all_ids(index.collection) == index.store.list_ids("fused")
