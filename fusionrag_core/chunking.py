@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from semantic_text_splitter import TextSplitter
@@ -77,9 +78,37 @@ class Chunker:
     def _count(self, text: str) -> int:
         return len(tokenize_plain(self.tokenizer, text))
 
-    def split(self, text: str) -> list[str]:
-        """The chunks of `text`, in order, whitespace-trimmed; empty for blank text."""
-        return [c for c in self._splitter.chunks(text) if c.strip()]
+    def split(self, text: str, on_progress: Callable[[int], None] | None = None) -> list[str]:
+        """The chunks of `text`, in order, whitespace-trimmed; empty for blank text.
+
+        Args:
+            text: the document.
+            on_progress: called with how many characters of `text` are behind the splitter (a lower
+                bound, non-decreasing) while it works: a long document takes minutes to cut.
+        """
+        splitter = self._splitter if on_progress is None else TextSplitter.from_callback(
+            _tracking(self._count, text, on_progress), self.config.chunk_tokens, overlap=self.config.chunk_overlap)
+        return [c for c in splitter.chunks(text) if c.strip()]
+
+
+def _tracking(count: Callable[[str], int], text: str, on_progress: Callable[[int], None]) -> Callable[[str], int]:
+    """`count`, also reporting where in `text` the candidate it is asked about starts.
+
+    NOTE: the splitter only hands the callback candidate chunks, never offsets; a candidate starts at
+    the current chunk's start, which is at or after the last start found, so searching its opening
+    characters from there gives a lower bound that never goes back.
+    """
+    done = 0
+
+    def counted(candidate: str) -> int:
+        nonlocal done
+        found = text.find(candidate[:64], done)
+        if found > done:
+            done = found
+            on_progress(done)
+        return count(candidate)
+
+    return counted
 
 
 def chunk_id(text: str, fingerprint: str, chunking: ChunkingConfig) -> str:

@@ -36,3 +36,11 @@ class CacheCorruptError(FusionRAGError):
 
 class InvalidRequestError(FusionRAGError, ValueError):
     """A request is malformed (empty question, unknown selector, bad ratio...)."""
+
+
+class CorpusLockedError(FusionRAGError):
+    """Another process (or thread) is writing to the corpus: one writer per corpus at a time."""
+
+
+class InsufficientSpaceError(FusionRAGError):
+    """An ingest's projected caches do not fit the KV store's free space."""

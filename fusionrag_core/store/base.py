@@ -466,6 +466,10 @@ class KVStore(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot set a bad blob aside")
 
+    def free_bytes(self) -> int | None:
+        """Room left for new blobs, in bytes; None when the backend cannot tell."""
+        return None
+
     @abstractmethod
     def list_ids(self, variant: Variant | None = None) -> set[str]:
         """Ids that have an entry for `variant` (for any variant when `None`)."""

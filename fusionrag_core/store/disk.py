@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -120,6 +121,10 @@ class DiskKVStore(KVStore):
         except FileNotFoundError:
             return None
         return str(target)
+
+    def free_bytes(self) -> int | None:
+        """Free space of the filesystem holding the store."""
+        return shutil.disk_usage(self.root).free
 
     def list_ids(self, variant: Variant | None = None) -> set[str]:
         wanted = VARIANTS if variant is None else (validate_variant(variant),)

@@ -183,6 +183,15 @@ class RedisKVStore(KVStore):
                 raise
         return f"Redis key {target}"
 
+    def free_bytes(self) -> int | None:
+        """`maxmemory - used_memory` when Redis has a limit, else the host's memory not in use by
+        Redis (`total_system_memory - used_memory`); None when the server reports neither."""
+        with self._errors("read from"):
+            info = self._client.info("memory")
+        used = int(info.get("used_memory", 0))
+        limit = int(info.get("maxmemory", 0)) or int(info.get("total_system_memory", 0))
+        return max(0, limit - used) if limit else None
+
     def list_ids(self, variant: Variant | None = None) -> set[str]:
         indexes = [self._index(v) for v in (VARIANTS if variant is None else (validate_variant(variant),))]
         with self._errors("read from"):

@@ -1,0 +1,245 @@
+"""One writer per corpus: the lock every ingest, delete and repairing verify holds while it writes.
+
+Two writers interleaving on one corpus lose caches (one's orphan sweep deletes the blobs the other
+has stored but not yet indexed) and fuse chunks after neighbour lists the other is rewriting. The
+lock lives next to the corpus's caches, so every process that can write the caches meets it:
+
+* disk store (embedded Chroma, or a Chroma server with caches on this host's disk): an exclusive
+  `flock` on `<store root>/.writer.lock`. The kernel releases it when the process dies, SIGKILL
+  included. (NOTE: `flock` is host-local; a store directory on a network filesystem shared by
+  several hosts needs a Redis store to be guarded.)
+* Redis store (Chroma server + Redis, any number of hosts): a key `<namespace>:writer` set with
+  `SET NX PX ttl` holding a random token, kept alive by a heartbeat thread and deleted by token on
+  release. A process that dies stops beating; its key expires after `ttl_s`.
+
+A second writer waits up to `wait_s` seconds, then fails with `CorpusLockedError` naming the holder
+(process, host, command, since when). Readers (queries) never take the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from fusionrag_core.errors import CorpusLockedError, FusionRAGError
+from fusionrag_core.store.base import KVStore
+
+LOCK_FILE = ".writer.lock"
+_POLL_S = 0.2
+
+
+def holder_info(action: str) -> dict[str, Any]:
+    """Who is writing: recorded in the lock so a blocked writer can say who it waits for."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "action": action,
+            "command": " ".join(sys.argv[:4])[:200], "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+class WriterLock(ABC):
+    """An exclusive lock on one corpus; use as a context manager (`with lock: ...`)."""
+
+    def __init__(self, where: str, action: str, wait_s: float) -> None:
+        if not wait_s >= 0:
+            raise FusionRAGError(f"wait_s must be >= 0 seconds, got {wait_s}")
+        self.where = where
+        self.action = action
+        self.wait_s = wait_s
+
+    def acquire(self) -> None:
+        """Take the lock, polling until `wait_s` has passed.
+
+        Raises:
+            CorpusLockedError: another writer still holds it (the message names it and what to do).
+        """
+        deadline = time.monotonic() + self.wait_s
+        while not self._try_acquire():
+            if time.monotonic() >= deadline:
+                raise CorpusLockedError(self._locked_message())
+            time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+
+    def _locked_message(self) -> str:
+        holder = self._holder() or {}
+        who = (f"pid {holder.get('pid')} on {holder.get('host')} ({holder.get('action')}: "
+               f"{holder.get('command')!r}, since {holder.get('since')})") if holder else "another process"
+        waited = f" after waiting {self.wait_s:g} s" if self.wait_s else ""
+        return (
+            f"cannot {self.action}: {who} is writing to this corpus ({self.where}){waited}; one writer per corpus "
+            "at a time: let it finish (or stop it), or wait for it (CLI: --wait SECONDS)"
+        )
+
+    @abstractmethod
+    def _try_acquire(self) -> bool: ...
+
+    @abstractmethod
+    def _holder(self) -> dict[str, Any] | None: ...
+
+    @abstractmethod
+    def release(self) -> None:
+        """Give the lock up (idempotent)."""
+
+    def __enter__(self) -> WriterLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
+
+
+class FileWriterLock(WriterLock):
+    """`flock` on a file (see the module docstring); released by the kernel when the process dies."""
+
+    def __init__(self, path: Path, action: str, wait_s: float = 0.0) -> None:
+        super().__init__(str(path), action, wait_s)
+        self.path = path
+        self._fd: int | None = None
+
+    def _try_acquire(self) -> bool:
+        import fcntl
+
+        assert self._fd is None, "FileWriterLock is not reentrant"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # NOTE: one open file description per acquire: flock excludes other descriptions, so two
+        # threads of one process exclude each other too.
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(holder_info(self.action)).encode())
+        self._fd = fd
+        return True
+
+    def _holder(self) -> dict[str, Any] | None:
+        with contextlib.suppress(OSError, ValueError):
+            value = json.loads(self.path.read_text() or "null")
+            return value if isinstance(value, dict) else None
+        return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # NOTE: closing the description releases the flock.
+
+
+# Deletes/extends the key only while it still holds our token (another writer may own it by now).
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+_EXTEND = ("if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) "
+           "else return 0 end")
+
+
+class RedisWriterLock(WriterLock):
+    """`SET NX PX` lock with a heartbeat (see the module docstring).
+
+    Args:
+        url: the Redis server.
+        key: the lock key (`<store namespace>:writer`).
+        action: what the writer does (quoted to a blocked writer).
+        wait_s: how long a second writer waits.
+        ttl_s: how long the key outlives a writer that stopped beating (a dead process).
+    """
+
+    def __init__(self, url: str, key: str, action: str, wait_s: float = 0.0, ttl_s: float = 30.0) -> None:
+        import redis
+
+        super().__init__(f"Redis key {key}", action, wait_s)
+        self.key = key
+        self.ttl_ms = int(ttl_s * 1000)
+        self._client = redis.Redis.from_url(url, decode_responses=True)
+        self._token: str | None = None
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        self.lost = False
+        """True when a heartbeat found the key gone or taken: this writer no longer holds the lock."""
+
+    def _try_acquire(self) -> bool:
+        assert self._token is None, "RedisWriterLock is not reentrant"
+        token = json.dumps({**holder_info(self.action), "token": uuid.uuid4().hex})
+        if not self._client.set(self.key, token, nx=True, px=self.ttl_ms):
+            return False
+        self._token, self.lost = token, False
+        self._stop.clear()
+        self._beat = threading.Thread(target=self._heartbeat, name="fusionrag-lock-heartbeat", daemon=True)
+        self._beat.start()
+        return True
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.ttl_ms / 3000):
+            try:
+                held = self._client.eval(_EXTEND, 1, self.key, self._token or "", self.ttl_ms)
+            except Exception:  # NOTE: a blip; the next beat retries well before the key expires.
+                continue
+            if not held:
+                self.lost = True
+                return
+
+    def check(self) -> None:
+        """Raise CorpusLockedError if the lock was lost (the writer stalled longer than `ttl_s`)."""
+        if self.lost:
+            raise CorpusLockedError(
+                f"lost the writer lock {self.key} (this process stalled longer than its {self.ttl_ms / 1000:g} s TTL "
+                "and another writer may have taken over); run the command again"
+            )
+
+    def _holder(self) -> dict[str, Any] | None:
+        with contextlib.suppress(Exception):
+            raw = self._client.get(self.key)
+            value = json.loads(str(raw)) if raw else None
+            return value if isinstance(value, dict) else None
+        return None
+
+    def release(self) -> None:
+        if self._token is None:
+            return
+        token, self._token = self._token, None
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+        with contextlib.suppress(Exception):  # NOTE: a server gone now lets the key expire on its own.
+            self._client.eval(_RELEASE, 1, self.key, token)
+
+
+def writer_lock(store: KVStore, action: str, *, wait_s: float = 0.0, ttl_s: float = 30.0) -> WriterLock:
+    """The lock guarding the corpus whose caches `store` holds (file lock or Redis lock, see above).
+
+    Args:
+        store: the corpus's KV store (a `DiskKVStore` or `RedisKVStore`).
+        action: what the writer is about to do ("ingest", "delete", "repair"), quoted to others.
+        wait_s: how long to wait for another writer (0: fail at once; `math.inf`: forever).
+        ttl_s: Redis only: how long the lock of a writer that died blocks others.
+
+    Raises:
+        FusionRAGError: a store of another kind (it has no place to keep a lock).
+    """
+    from fusionrag_core.store.disk import DiskKVStore
+
+    if isinstance(store, DiskKVStore):
+        return FileWriterLock(store.root / LOCK_FILE, action, wait_s)
+    url, namespace = getattr(store, "url", None), getattr(store, "namespace", None)
+    if type(store).__name__ == "RedisKVStore" and isinstance(url, str) and isinstance(namespace, str):
+        return RedisWriterLock(url, f"{namespace}:writer", action, wait_s, ttl_s)
+    raise FusionRAGError(
+        f"{type(store).__name__} has no writer lock; corpora are guarded on DiskKVStore and RedisKVStore"
+    )
+
+
+@contextlib.contextmanager
+def writing(store: KVStore, action: str, *, wait_s: float = 0.0) -> Iterator[WriterLock]:
+    """`with writing(store, "ingest"): ...` holds the corpus's writer lock for the block."""
+    with writer_lock(store, action, wait_s=wait_s) as lock:
+        yield lock
+
+
+__all__ = ["LOCK_FILE", "FileWriterLock", "RedisWriterLock", "WriterLock", "writer_lock", "writing"]
