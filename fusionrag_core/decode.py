@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +17,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from fusionrag_core.constrained import Grammar, GrammarProcessor
 from fusionrag_core.errors import InvalidRequestError
 
 
@@ -36,6 +37,7 @@ class SamplingConfig:
         repetition_penalty: CTRL's penalty on tokens already in the prompt or the answer (1.0: off).
         seed: sampler seed (only matters when temperature > 0); None draws a fresh one.
         stop: stop strings; the text ends before the first one.
+        grammar: constrain the text to a grammar (`constrained.Grammar`, e.g. a JSON schema).
     """
 
     max_new_tokens: int = 64
@@ -46,6 +48,7 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -95,15 +98,28 @@ class Sampler:
         config: SamplingConfig,
         prompt_ids: torch.Tensor | None = None,
         extra: Sequence[LogitsProcessor] = (),
+        *,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        eos_ids: Iterable[int] = (),
     ) -> None:
         """Args:
             config: sampling knobs.
             prompt_ids: `[T]` ids of the prompt (what the repetition penalty counts besides the answer).
             extra: processors applied before the config's (a constraint must mask before sampling).
+            tokenizer, eos_ids: the model's, needed by a `config.grammar`.
+
+        Raises:
+            InvalidRequestError: a grammar without a tokenizer to match it with.
         """
         self.config = config
-        self.processors = LogitsProcessorList([*extra, *config.logits_processors()])
         ids = prompt_ids if prompt_ids is not None else torch.zeros(0, dtype=torch.long)
+        constraint: list[LogitsProcessor] = []
+        if config.grammar is not None:
+            if tokenizer is None:
+                raise InvalidRequestError("a grammar-constrained Sampler needs the model's tokenizer")
+            constraint.append(GrammarProcessor(config.grammar, tokenizer, eos_ids, prompt_tokens=ids.numel()))
+        # NOTE: the constraint masks first, so penalties and warpers only ever see allowed tokens.
+        self.processors = LogitsProcessorList([*constraint, *extra, *config.logits_processors()])
         self.ids = ids.reshape(1, -1).long().cpu()  # [1, T]
         self.generator = torch.Generator()
         if config.seed is not None:

@@ -428,7 +428,7 @@ class FusionEngine:
         out, recomputed = recompute(st, selected)
         assert out.logits is not None
         first_logits = out.logits
-        sampler = Sampler(sampling, prompt.token_ids())
+        sampler = Sampler(sampling, prompt.token_ids(), tokenizer=self.tokenizer, eos_ids=self.eos_ids)
         token = sampler(first_logits)
         ttft = time.perf_counter() - start
 

@@ -30,6 +30,7 @@ from fusionrag_core.select import SelectConfig, get_selector
 from fusionrag_core.store import DiskKVStore, KVStore
 from fusionrag_integrations.langchain.arguments import normalize_arguments
 from fusionrag_integrations.langchain.messages import clean_output
+from fusionrag_integrations.langchain.structured import response_grammar
 
 PROVIDER = "fusionrag"
 
@@ -256,10 +257,12 @@ class FusionRAGModelFields(BaseModel):
             InvalidRequestError: an unknown keyword, or a value the engine would refuse.
         """
         overrides = {CALL_ALIASES.get(k, k): v for k, v in overrides.items()}
+        response_format = overrides.pop("response_format", None)
         unknown = set(overrides) - CALL_OPTIONS
         if unknown:
             raise InvalidRequestError(
-                f"unsupported call option(s) {sorted(unknown)}; a FusionRAG model accepts {sorted(CALL_OPTIONS)} "
+                f"unsupported call option(s) {sorted(unknown)}; a FusionRAG model accepts "
+                f"{sorted([*CALL_OPTIONS, 'response_format'])} "
                 "(chunk caches are found by the chunk ids marked in the prompt, see format_docs)"
             )
         value = {name: overrides.get(name, getattr(self, name)) for name in CALL_OPTIONS}
@@ -272,6 +275,7 @@ class FusionRAGModelFields(BaseModel):
             repetition_penalty=value["repetition_penalty"],
             seed=value["seed"],
             stop=tuple(stop if stop is not None else self.stop or ()),
+            grammar=response_grammar(response_format) if response_format is not None else None,
         )
         if value["selector"] is not None:
             get_selector(value["selector"])

@@ -13,11 +13,12 @@ from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.documents import Document
-from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.chat_models import generate_from_stream
-from langchain_core.messages import AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
 
 from fusionrag_core.engine import Generation
 from fusionrag_core.errors import InvalidRequestError
@@ -25,6 +26,7 @@ from fusionrag_core.prompt import FusionPrompt
 from fusionrag_integrations.langchain.binding import FusionRAGModelFields, generation_metadata
 from fusionrag_integrations.langchain.documents import chunk_inputs
 from fusionrag_integrations.langchain.messages import to_chat_dicts
+from fusionrag_integrations.langchain.structured import BIND_TOOLS_MESSAGE, Method, with_structured_output
 
 
 class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
@@ -60,6 +62,28 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
     @property
     def _llm_type(self) -> str:
         return "fusionrag-chat"
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: Method = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, Any]:
+        """Answer with `schema`'s object (Pydantic instance, or dict for TypedDict / JSON schema).
+
+        Decoding is constrained by the schema's grammar (llguidance), so the JSON always parses
+        unless `max_tokens` cuts it (an OutputParserException then says so). Chunk caches are
+        reused as without the constraint. See `structured.with_structured_output` for `method`.
+        """
+        return with_structured_output(self, schema, method=method, include_raw=include_raw, strict=strict,
+                                      **kwargs)
+
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Not supported: raises NotImplementedError saying what to use (`with_structured_output`)."""
+        raise NotImplementedError(BIND_TOOLS_MESSAGE)
 
     def fusion_prompt(self, messages: list[BaseMessage], documents: Sequence[Document] | None = None) -> FusionPrompt:
         """The engine request `invoke(messages, documents=documents)` runs.

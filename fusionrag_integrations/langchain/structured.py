@@ -1,0 +1,160 @@
+"""Structured output for the LangChain models: JSON guaranteed by grammar-constrained decoding.
+
+`with_structured_output(schema)` binds an OpenAI-shaped `response_format` call option; the
+request then decodes under an llguidance grammar of the schema (`fusionrag_core.constrained`), so
+the answer always parses (unless `max_tokens` ends it first, which the parser reports). Chunk
+caches are reused exactly as without the constraint: only sampling changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from operator import itemgetter
+from typing import Any, Literal
+
+from langchain_core.exceptions import OutputParserException
+from langchain_core.language_models import BaseChatModel
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.outputs import ChatGeneration, Generation
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_json_schema
+from langchain_core.utils.pydantic import is_basemodel_subclass
+
+from fusionrag_core.constrained import Grammar
+from fusionrag_core.errors import InvalidRequestError
+
+Method = Literal["json_schema", "json_mode", "function_calling"]
+METHODS = ("json_schema", "json_mode", "function_calling")
+
+BIND_TOOLS_MESSAGE = (
+    "ChatFusionRAG has no tool calling: the packaged models were not trained to call tools. For typed "
+    "output use with_structured_output(schema) (Pydantic, TypedDict or JSON schema), which decodes under a "
+    "JSON-schema grammar and always parses; to run a tool, parse that output and call it yourself"
+)
+
+
+def response_grammar(response_format: Any) -> Grammar:
+    """The grammar of an OpenAI-shaped `response_format` call option.
+
+    Accepts `{"type": "json_object"}` (any JSON object) and
+    `{"type": "json_schema", "json_schema": {"schema": {...}, ...}}`.
+
+    Raises:
+        InvalidRequestError: another shape, or a schema llguidance cannot compile.
+    """
+    if isinstance(response_format, Mapping):
+        kind = response_format.get("type")
+        if kind == "json_object":
+            return Grammar.json_object()
+        spec = response_format.get("json_schema")
+        if kind == "json_schema" and isinstance(spec, Mapping) and isinstance(spec.get("schema"), Mapping):
+            return _schema_grammar(json.dumps(spec["schema"], sort_keys=True))
+    raise InvalidRequestError(
+        f"unsupported response_format {response_format!r}; use {{'type': 'json_object'}} or "
+        "{'type': 'json_schema', 'json_schema': {'schema': <JSON schema>}} (or with_structured_output(schema))"
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _schema_grammar(schema_json: str) -> Grammar:
+    # NOTE: a Grammar is immutable, so one compiled schema serves every request that binds it.
+    return Grammar.json_schema(json.loads(schema_json))
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object that lists properties and does
+    not say (OpenAI's strict mode): a small model otherwise invents keys until max_tokens."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: closed_objects(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+class _CompleteJsonMixin:
+    """Parsers that say when `max_tokens` ended the answer before its JSON closed."""
+
+    def parse_result(self, result: list[Generation], *, partial: bool = False) -> Any:
+        if not partial and result and isinstance(result[0], ChatGeneration):
+            meta = result[0].message.response_metadata
+            if meta.get("finish_reason") == "length":
+                raise OutputParserException(
+                    f"the answer reached max_tokens ({meta.get('completion_tokens')} tokens) before its JSON was "
+                    "complete; raise max_tokens (e.g. model.bind(max_tokens=...) or the constructor's max_tokens)",
+                    llm_output=result[0].text,
+                )
+        return super().parse_result(result, partial=partial)  # type: ignore[misc]
+
+
+class CompleteJsonOutputParser(_CompleteJsonMixin, JsonOutputParser):
+    """`JsonOutputParser` that reports a truncated answer."""
+
+
+class CompletePydanticOutputParser(_CompleteJsonMixin, PydanticOutputParser):
+    """`PydanticOutputParser` that reports a truncated answer."""
+
+
+def with_structured_output(
+    model: BaseChatModel,
+    schema: Any,
+    *,
+    method: Method = "json_schema",
+    include_raw: bool = False,
+    strict: bool | None = None,
+    **kwargs: Any,
+) -> Runnable[Any, Any]:
+    """`model` answering with `schema`'s object, through grammar-constrained decoding.
+
+    Args:
+        model: a ChatFusionRAG.
+        schema: a Pydantic class (returns instances), a TypedDict or a JSON schema / OpenAI tool
+            dict (returns dicts); with method="json_mode" it may be None (any JSON object).
+        method: "json_schema" (the schema's grammar), "json_mode" (any JSON object; the prompt
+            must ask for the shape) or "function_calling" (the same as "json_schema": the
+            arguments' JSON is decoded directly, there is no tool-call round trip).
+        include_raw: return `{"raw": AIMessage, "parsed": ..., "parsing_error": ...}`.
+        strict: None/True (default): as OpenAI's strict mode, objects admit only their listed
+            properties (`additionalProperties: false` unless the schema says otherwise); False:
+            the schema as written (JSON Schema then allows extra keys). Either way the grammar
+            admits only schema-valid JSON.
+
+    Raises:
+        InvalidRequestError: an unknown method or argument, or a schema that cannot be compiled.
+    """
+    if kwargs:
+        raise InvalidRequestError(f"with_structured_output got unsupported argument(s) {sorted(kwargs)}")
+    if method not in METHODS:
+        raise InvalidRequestError(f"unknown method {method!r}; use one of {list(METHODS)}")
+    if schema is None and method != "json_mode":
+        raise InvalidRequestError("pass a schema (Pydantic class, TypedDict or JSON schema), or method='json_mode'")
+    json_schema = convert_to_json_schema(schema) if schema is not None else None
+    if method == "json_mode" or json_schema is None:
+        response_format: dict[str, Any] = {"type": "json_object"}
+    else:
+        grammar_schema = json_schema if strict is False else closed_objects(json_schema)
+        response_format = {"type": "json_schema",
+                           "json_schema": {"name": json_schema.get("title", "output"), "schema": grammar_schema,
+                                           "strict": strict is not False}}
+    response_grammar(response_format)  # NOTE: compiled now, so a bad schema fails here, not at invoke
+    bound = model.bind(
+        response_format=response_format,
+        ls_structured_output_format={"kwargs": {"method": method}, "schema": schema if schema is not None else {}},
+    )
+    parser: Runnable[Any, Any]
+    if isinstance(schema, type) and is_basemodel_subclass(schema):
+        parser = CompletePydanticOutputParser(pydantic_object=schema)
+    else:
+        parser = CompleteJsonOutputParser()
+    if not include_raw:
+        return bound | parser
+    parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+    unparsed = RunnablePassthrough.assign(parsed=lambda _: None)
+    return RunnableMap(raw=bound) | parsed.with_fallbacks([unparsed], exception_key="parsing_error")
+
+
+__all__ = ["BIND_TOOLS_MESSAGE", "METHODS", "response_grammar", "with_structured_output"]
