@@ -5,7 +5,7 @@ them); the slow ones the packaged SmolLM2."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage
 from pydantic import BaseModel, Field
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
-from typing_extensions import Annotated, TypedDict
+from typing_extensions import TypedDict
 
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import InvalidRequestError
