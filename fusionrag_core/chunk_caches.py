@@ -1,12 +1,15 @@
 """The caches ingest computes for a chunk: independent and fused, several chunks per forward pass.
 
-One definition, used by the local `Ingestor` and by every Ray worker (`distributed.py`), so a
-chunk's caches are the same whichever process computed them:
+The one definition of fusion, used by the local `Ingestor`, the LlamaIndex `FusionKVTransform`
+and every Ray worker, so a chunk's caches are the same whichever path computed them:
 
+* neighbours: the n nearest other chunks by cosine distance, ties broken by chunk id
+  (`rank_neighbours`, `batch_neighbours`);
 * independent: the chunk prefilled right after the canonical system prefix;
 * fused: the chunk prefilled after the prefix and its neighbours' independent caches (re-rotated
   to consecutive positions), `neighbour_order` deciding where the nearest goes; a chunk with no
-  neighbour's fused cache is its independent one.
+  neighbour's fused cache is its independent one; one that would not fit the model's context
+  window is refused (`check_fusion_fits` up front, `CacheBuilder.fused` exactly).
 
 Chunks are packed into passes of at most `prefill_batch` chunks and `prefill_tokens` buffer slots
 (`prefill.prefill_chunks`); the results equal one-at-a-time prefills within fp tolerance.
@@ -15,15 +18,23 @@ Chunks are packed into passes of at most `prefill_batch` chunks and `prefill_tok
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from fusionrag_core.engine import FusionEngine
-from fusionrag_core.errors import CacheCorruptError, CacheMismatchError, CacheNotFoundError, InvalidRequestError
+from fusionrag_core.errors import (
+    CacheCorruptError,
+    CacheMismatchError,
+    CacheNotFoundError,
+    ContextLengthError,
+    InvalidRequestError,
+)
 from fusionrag_core.kv import ChunkKV
 from fusionrag_core.store.base import KVStore, storage_torch_dtype
 
@@ -38,6 +49,59 @@ FusionItem = tuple[str, str, Neighbours]
 """What a fused cache is computed from: chunk id, chunk text, its neighbours."""
 TextLookup = Callable[[str], str | None]
 """Chunk id -> its text (to recompute a neighbour's missing independent cache), or None."""
+
+# NOTE: rows of a distance matrix computed at once: [256, N] float32 stays ~100 MB at N = 100k.
+_BLOCK = 256
+# NOTE: a chunk of `chunk_tokens` tokens takes up to this many more positions (the passage separator).
+_SEPARATOR_SLACK = 4
+
+
+def rank_neighbours(candidates: Mapping[str, float], n: int) -> list[tuple[str, float]]:
+    """The `n` nearest of `candidates` (chunk id -> cosine distance), nearest first; equal
+    distances are ordered by chunk id, so every process ranks the same neighbours alike."""
+    return sorted(candidates.items(), key=lambda hit: (hit[1], hit[0]))[:n]
+
+
+def batch_neighbours(
+    embeddings: np.ndarray, ids: Sequence[str], rows: Sequence[int], n: int
+) -> list[dict[str, float]]:
+    """For each of `rows`, up to `n` nearest *other* entries of `embeddings` as {chunk id: distance}.
+
+    Args:
+        embeddings: `[N, d]` unit rows (cosine similarity is a dot product).
+        ids: the chunk id of each row.
+        rows: which rows to find neighbours for.
+        n: how many neighbours each (unranked: pass them through `rank_neighbours`).
+    """
+    out: list[dict[str, float]] = []
+    for lo in range(0, len(rows), _BLOCK):
+        block = list(rows[lo : lo + _BLOCK])
+        distances = 1.0 - embeddings[block] @ embeddings.T  # [B, N]
+        for row, i in zip(distances, block, strict=True):
+            row[i] = np.inf  # NOTE: not its own neighbour.
+            nearest = np.argpartition(row, n - 1)[:n] if 0 < n < len(row) else np.arange(len(row) if n else 0)
+            out.append({ids[j]: float(row[j]) for j in nearest if math.isfinite(row[j])})
+    return out
+
+
+def check_fusion_fits(engine: FusionEngine, neighbors: int, chunk_tokens: int) -> None:
+    """Refuse settings whose fused prefill (prefix, `neighbors` chunks, the chunk) cannot fit the model.
+
+    Raises:
+        ContextLengthError: it does not fit; says which settings to lower.
+    """
+    chunk = chunk_tokens + _SEPARATOR_SLACK
+    need = _prefix_tokens(engine) + (neighbors + 1) * chunk
+    if need > engine.context_window:
+        raise ContextLengthError(
+            f"a fused prefill of {neighbors} neighbours + the chunk ({chunk_tokens} tokens each) needs ~{need} "
+            f"positions, more than the model's {engine.context_window}; lower the number of neighbours "
+            "(IngestConfig.neighbors) or the chunk size (chunk_tokens)"
+        )
+
+
+def _prefix_tokens(engine: FusionEngine) -> int:
+    return int(engine.layout.prefix_ids(engine.config.instruction).shape[0])
 
 
 class IndependentCaches:
@@ -132,9 +196,19 @@ class CacheBuilder:
         contexts = [self._context_tokens(ordered[i]) for i in todo]
         for group in self._groups(sizes, contexts):
             chosen = [todo[g] for g in group]
-            kvs = self._prefill([ids[i] for i in chosen], [[self._neighbour(n) for n in ordered[i]] for i in chosen])
-            out.update(zip(chosen, kvs, strict=True))
+            neighbours = [[self._neighbour(n) for n in ordered[i]] for i in chosen]
+            for i, kvs in zip(chosen, neighbours, strict=True):
+                self._check_fits(items[i][0], ids[i], kvs)
+            out.update(zip(chosen, self._prefill([ids[i] for i in chosen], neighbours), strict=True))
         return [out[i] for i in range(len(items))]
+
+    def _check_fits(self, chunk_id: str, token_ids: torch.Tensor, neighbours: Sequence[ChunkKV]) -> None:
+        need = _prefix_tokens(self.engine) + int(token_ids.shape[0]) + sum(kv.num_tokens for kv in neighbours)
+        if need > self.engine.context_window:
+            raise ContextLengthError(
+                f"chunk {chunk_id} fused after {len(neighbours)} neighbours needs {need} positions, more than the "
+                f"model's {self.engine.context_window}; use fewer neighbours or smaller chunks"
+            )
 
     def _ordered(self, neighbours: Neighbours) -> list[str]:
         """Neighbour ids in the order they are stitched in front of the chunk."""
@@ -146,7 +220,7 @@ class CacheBuilder:
     def _context_tokens(self, neighbour_ids: Sequence[str]) -> int:
         # NOTE: a neighbour's length is only known once its cache is loaded; the chunk budget is a
         # good bound (chunks hold at most chunk_tokens tokens, + a separator).
-        return len(neighbour_ids) * (self.config.chunk_tokens + 4)
+        return len(neighbour_ids) * (self.config.chunk_tokens + _SEPARATOR_SLACK)
 
     def _groups(self, sizes: Sequence[int], contexts: Sequence[int]) -> Iterator[list[int]]:
         """Indices packed greedily into passes of <= prefill_batch chunks and <= prefill_tokens slots
@@ -184,4 +258,13 @@ class CacheBuilder:
             return self.caches.get(chunk_id)
 
 
-__all__ = ["CacheBuilder", "FusionItem", "IndependentCaches", "Neighbours", "TextLookup"]
+__all__ = [
+    "CacheBuilder",
+    "FusionItem",
+    "IndependentCaches",
+    "Neighbours",
+    "TextLookup",
+    "batch_neighbours",
+    "check_fusion_fits",
+    "rank_neighbours",
+]

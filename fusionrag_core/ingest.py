@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,14 +43,13 @@ from chromadb.api.models.Collection import Collection
 from tqdm.auto import tqdm
 
 from fusionrag_core import vectordb
-from fusionrag_core.chunk_caches import CacheBuilder
+from fusionrag_core.chunk_caches import CacheBuilder, batch_neighbours, check_fusion_fits, rank_neighbours
 from fusionrag_core.chunking import Chunker, ChunkingConfig, chunk_id
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import (
     CacheCorruptError,
     CacheMismatchError,
     CacheNotFoundError,
-    ContextLengthError,
     InvalidRequestError,
 )
 from fusionrag_core.kv import Variant
@@ -300,17 +298,8 @@ class Ingestor:
         return self.builder.prefills
 
     def _check_fits(self) -> None:
-        if not self.config.fuse:
-            return
-        chunk = self.config.chunk_tokens + 4  # NOTE: + the passage separator, with room to spare.
-        prefix = int(self.engine.layout.prefix_ids(self.engine.config.instruction).shape[0])
-        need = prefix + (self.config.neighbors + 1) * chunk
-        if need > self.engine.context_window:
-            raise ContextLengthError(
-                f"a fused prefill of {self.config.neighbors} neighbours + the chunk ({self.config.chunk_tokens} "
-                f"tokens each) needs ~{need} positions, more than the model's {self.engine.context_window}; "
-                "lower IngestConfig.neighbors or chunk_tokens"
-            )
+        if self.config.fuse:
+            check_fusion_fits(self.engine, self.config.neighbors, self.config.chunk_tokens)
 
     # ---- add ----------------------------------------------------------------------------------------
     def add(
@@ -489,19 +478,12 @@ class Ingestor:
         n = self.config.neighbors
         if not new or n == 0:
             return
-        for lo in range(0, len(new), _BLOCK):
-            distances = 1.0 - embeddings[lo : lo + _BLOCK] @ embeddings.T  # [B, N]
-            for r, row in enumerate(distances):
-                i = lo + r
-                row[i] = np.inf  # NOTE: not its own neighbour.
-                c = new[i]
-                hits = dict(vectordb.query_neighbours(self.collection, embeddings[i].tolist(), n,
-                                                      exclude_ids=[c.chunk_id]))
-                nearest = np.argpartition(row, n - 1)[:n] if n < len(row) else np.arange(len(row))
-                for j in nearest:
-                    if math.isfinite(row[j]):
-                        hits.setdefault(new[j].chunk_id, float(row[j]))
-                c.neighbours = sorted(hits.items(), key=lambda h: (h[1], h[0]))[:n]
+        in_batch = batch_neighbours(embeddings, [c.chunk_id for c in new], range(len(new)), n)
+        for c, embedding, local in zip(new, embeddings, in_batch, strict=True):
+            hits = dict(vectordb.query_neighbours(self.collection, embedding.tolist(), n, exclude_ids=[c.chunk_id]))
+            for cid, distance in local.items():
+                hits.setdefault(cid, distance)
+            c.neighbours = rank_neighbours(hits, n)
 
     def _affected_by(self, new: Sequence[_Chunk], embeddings: np.ndarray) -> list[str]:
         """Chunks in the collection whose top-n set gains one of `new` (nearer than their n-th)."""
@@ -572,9 +554,9 @@ class Ingestor:
                 continue  # NOTE: left pending; verify reports (and removes) text-less entries.
             if not self.store.has(row.chunk_id, "independent"):
                 self.builder.independent([(row.chunk_id, row.text)])
-            neighbours = vectordb.query_neighbours(self.collection, _normalise([row.embedding])[0].tolist(),
-                                                   self.config.neighbors, exclude_ids=[row.chunk_id])
-            neighbours = sorted(neighbours, key=lambda h: (h[1], h[0]))
+            neighbours = rank_neighbours(dict(vectordb.query_neighbours(
+                self.collection, _normalise([row.embedding])[0].tolist(), self.config.neighbors,
+                exclude_ids=[row.chunk_id])), self.config.neighbors)
             self.store.put(row.chunk_id, self.builder.fused([(row.chunk_id, row.text, neighbours)])[0])
             self.collection.update(ids=[row.chunk_id],
                                    metadatas=cast(Any, [_fusion_meta(neighbours, self.config.neighbors)]))

@@ -19,20 +19,19 @@ Caches are computed on `node.get_content(metadata_mode=MetadataMode.NONE)`, the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
-import torch
+import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.schema import BaseNode, Document, MetadataMode, RelatedNodeInfo, TextNode, TransformComponent
 from llama_index.core.utils import get_tqdm_iterable
 
+from fusionrag_core.chunk_caches import CacheBuilder, batch_neighbours, rank_neighbours
 from fusionrag_core.chunking import ChunkingConfig, chunk_id
 from fusionrag_core.engine import FusionEngine
-from fusionrag_core.errors import ContextLengthError, FusionRAGError, InvalidRequestError
+from fusionrag_core.errors import FusionRAGError, InvalidRequestError
 from fusionrag_core.ingest import RESERVED_KEYS, IngestConfig, NeighbourOrder
-from fusionrag_core.kv import ChunkKV
 from fusionrag_core.store import KVStore
 from fusionrag_integrations.llama_index.embedding import FusionRAGEmbedding
 from fusionrag_integrations.llama_index.llm import FusionRAGLLM
@@ -94,8 +93,7 @@ class FusionKVTransform(TransformComponent):
             InvalidRequestError: invalid fusion settings.
         """
         super().__init__(**data)
-        # NOTE: validated by the ingest config they mirror.
-        IngestConfig(neighbors=self.neighbors, fuse=self.fuse, neighbour_order=self.neighbour_order)
+        self._ingest_config()  # NOTE: validated by the ingest config they mirror.
         self._engine = engine
         self._store = store
         self._embed_model = embed_model or FusionRAGEmbedding()
@@ -142,76 +140,46 @@ class FusionKVTransform(TransformComponent):
         fused = self.fuse and self.neighbors > 0
         todo = [node for node in kept if not store.has(node.node_id, "fused" if fused else "independent")]
         progress = bool(kwargs.get("show_progress", False))
+        texts_by_id = {node.node_id: _chunk_text(node) for node in kept}
+        config = self._ingest_config()
+        # NOTE: the core's fusion (fusionrag_core.chunk_caches): the same neighbour ranking, order,
+        # no-neighbour fallback and context check as FusionIndex ingest, several chunks per pass.
+        builder = CacheBuilder(engine, store, config, text_of=texts_by_id.get)
         # NOTE: as ingest does, every chunk also gets its independent cache (the baselines' cache,
         # the engine's fallback, and what other chunks are fused after).
-        for node in get_tqdm_iterable(todo, progress, "Independent caches"):
-            self._store_independent(node)
+        missing = [(n.node_id, texts_by_id[n.node_id]) for n in todo if not store.has(n.node_id, "independent")]
+        for batch in get_tqdm_iterable(_batches(missing, config.batch_size), progress, "Independent caches"):
+            builder.independent(batch)
         if not fused:
             return kept
         neighbours = self._neighbours(kept, todo)
-        for node in get_tqdm_iterable(todo, progress, "Fusing chunk caches"):
-            store.put(node.node_id, self._fused(node, neighbours[node.node_id]))
+        items = [(n.node_id, texts_by_id[n.node_id], neighbours[n.node_id]) for n in todo]
+        for batch in get_tqdm_iterable(_batches(items, config.batch_size), progress, "Fusing chunk caches"):
+            for (cid, _, _), kv in zip(batch, builder.fused(batch), strict=True):
+                store.put(cid, kv)
         return kept
 
-    # ---- caches --------------------------------------------------------------------------------------
-    def _store_independent(self, node: BaseNode) -> None:
-        if not self.store.has(node.node_id, "independent"):
-            self.store.put(node.node_id, self.engine.chunk_cache(_chunk_text(node)))
+    def _ingest_config(self) -> IngestConfig:
+        return IngestConfig(neighbors=self.neighbors, fuse=self.fuse, neighbour_order=self.neighbour_order)
 
-    def _independent(self, node: BaseNode) -> ChunkKV:
-        """The node's independent cache as stored (computed and stored first if missing).
-
-        NOTE: read back from the store, at its precision, as `fusionrag_core.ingest` fuses: a fused
-        cache then does not depend on whether its neighbours were computed in this run.
-        """
-        engine, store = self.engine, self.store
-        self._store_independent(node)
-        return store.get(node.node_id, "independent", fingerprint=engine.fingerprint, shape=engine.kv_shape,
-                         device=engine.device, dtype=engine.decoder.dtype)
-
-    def _fused(self, node: BaseNode, nearest_first: list[BaseNode]) -> ChunkKV:
-        """The node's cache prefilled after its neighbours' independent caches.
-
-        Raises:
-            ContextLengthError: the neighbours and the chunk do not fit the model's context window.
-        """
-        engine = self.engine
-        order = list(reversed(nearest_first)) if self.neighbour_order == "similar_last" else nearest_first
-        if not order:
-            # NOTE: as in ingest: with no other chunk to attend to, the fused cache is the independent one.
-            return replace(self._independent(node), variant="fused")
-        caches = [self._independent(other) for other in order]
-        ids = engine.layout.chunk_ids(_chunk_text(node))
-        need = int(engine.layout.prefix_ids(engine.config.instruction).shape[0]) + int(ids.shape[0])
-        need += sum(kv.num_tokens for kv in caches)
-        if need > engine.context_window:
-            raise ContextLengthError(
-                f"node {node.node_id} fused after {len(caches)} neighbours needs {need} positions, more than the "
-                f"model's {engine.context_window}; lower FusionKVTransform(neighbors=...) or the splitter's chunk_size"
-            )
-        return engine.chunk_cache(ids, caches)
-
-    def _neighbours(self, nodes: list[BaseNode], todo: list[BaseNode]) -> dict[str, list[BaseNode]]:
+    def _neighbours(self, nodes: list[BaseNode], todo: list[BaseNode]) -> dict[str, list[tuple[str, float]]]:
         """For each node of `todo`, its `neighbors` most similar other nodes of the batch, nearest first."""
         vectors: Sequence[Sequence[float] | None] = [node.embedding for node in nodes]
         if any(v is None for v in vectors):
             # NOTE: all from one model or none: embeddings of two models are not comparable.
             vectors = self._embed_model.get_text_embedding_batch([_chunk_text(node) for node in nodes])
-        emb = torch.nn.functional.normalize(torch.tensor(vectors, dtype=torch.float32), dim=-1)  # [N, E]
-        position = {node.node_id: i for i, node in enumerate(nodes)}
-        k = min(self.neighbors, len(nodes) - 1)
-        out: dict[str, list[BaseNode]] = {}
-        for node in todo:
-            i = position[node.node_id]
-            sims = emb @ emb[i]  # [N]
-            sims[i] = float("-inf")
-            out[node.node_id] = [nodes[j] for j in torch.topk(sims, k).indices.tolist()]
-        return out
+        emb = np.asarray(vectors, dtype=np.float32)  # [N, E]
+        emb /= np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+        ids = [node.node_id for node in nodes]
+        position = {cid: i for i, cid in enumerate(ids)}
+        found = batch_neighbours(emb, ids, [position[node.node_id] for node in todo], self.neighbors)
+        return {node.node_id: rank_neighbours(hits, self.neighbors) for node, hits in zip(todo, found, strict=True)}
 
 
 # NOTE: LlamaIndex's node parser, not ours, cut these chunks; the default ChunkingConfig stands in
 # for "chunking settings" in the id, so a text gets the same id here as in a FusionIndex.
 _CHUNKING = ChunkingConfig()
+_T = TypeVar("_T")
 
 
 def _chunk_text(node: BaseNode) -> str:
@@ -231,6 +199,10 @@ def _chunk_text(node: BaseNode) -> str:
             f"node {node.node_id} has no text to cache; filter out empty nodes before FusionKVTransform"
         )
     return text
+
+
+def _batches(items: Sequence[_T], size: int) -> list[Sequence[_T]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def _rename(nodes: Sequence[BaseNode], ids: list[str]) -> list[BaseNode]:
