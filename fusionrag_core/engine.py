@@ -34,15 +34,18 @@ from fusionrag_core.forward import Decoder
 from fusionrag_core.kv import ChunkKV, Variant
 from fusionrag_core.prefill import prefill_chunk, prefill_chunks, prefill_prefix
 from fusionrag_core.prompt import DEFAULT_INSTRUCTION, FusionPrompt, PromptLayout
+from fusionrag_core.recognise import Match
 from fusionrag_core.recompute import recompute
 from fusionrag_core.select import SelectConfig, get_selector
-from fusionrag_core.stitch import CacheLookup, CacheMiss, prefetch, stitch
+from fusionrag_core.stitch import CacheLookup, CacheMiss, Stitched, prefetch, stitch
 from fusionrag_core.store.base import is_storable_chunk_id
 
 if TYPE_CHECKING:
     from fusionrag_core.store.base import KVStore
 
 ChunkInput = str | tuple[str | None, str]
+# Called once a request's prompt is computed: keeps the K/V of chunks that had no cache (see learn.py).
+LearnFn = Callable[[FusionPrompt, Stitched], None]
 
 
 @dataclass(frozen=True)
@@ -87,8 +90,12 @@ class Generation:
         finish_reason: "stop" (EOS or stop string) or "length".
         ttft_s: seconds from the call to the first token (stitching, selection, recompute included).
         total_s: seconds for the whole generation.
-        prompt_tokens / reused_tokens / recomputed_tokens: prompt size; chunk tokens whose cached
-            K/V were kept; context tokens computed afresh (selected + uncached).
+        prompt_tokens: prompt size.
+        reused_tokens: chunk tokens whose cached K/V were kept.
+        recomputed_tokens: reused-chunk tokens the selector chose to compute again.
+        prefilled_tokens: every other prompt token computed afresh: context with no usable cache
+            (unrecognised text included), the question, and the prefix when it was not memoised.
+        context_tokens: tokens between prefix and question (chunks and the text around them).
         first_token_logits: `[V]` fp32 logits of the first generated position.
         cache_misses: chunk id -> why its cache was not used (it was prefilled instead).
         cache_variants: reused chunks per cache variant; a missing fused cache falls back to the
@@ -109,11 +116,18 @@ class Generation:
     first_token_logits: torch.Tensor
     cache_misses: dict[str, str] = field(default_factory=dict)
     cache_variants: dict[str, int] = field(default_factory=dict)
+    prefilled_tokens: int = 0
+    context_tokens: int = 0
 
     @property
     def recomputed_fraction(self) -> float:
-        total = self.reused_tokens + self.recomputed_tokens
-        return self.recomputed_tokens / total if total else 0.0
+        """Share of context tokens computed afresh (recomputed or without a usable cache)."""
+        return 1.0 - self.reused_tokens / self.context_tokens if self.context_tokens else 0.0
+
+    @property
+    def reuse_ratio(self) -> float:
+        """Share of the prompt whose K/V came from a chunk cache."""
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def stats(self) -> dict[str, float | int | str | None]:
         """JSON-friendly statistics (what integrations put in response metadata)."""
@@ -124,6 +138,9 @@ class Generation:
             "completion_tokens": len(self.token_ids),
             "reused_tokens": self.reused_tokens,
             "recomputed_tokens": self.recomputed_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "context_tokens": self.context_tokens,
+            "reuse_ratio": self.reuse_ratio,
             "recomputed_fraction": self.recomputed_fraction,
             "selector": self.selector,
             "ratio": self.ratio,
@@ -253,9 +270,16 @@ class FusionEngine:
             instruction or self.config.instruction,
         )
 
-    def prompt_from_messages(self, messages: Sequence[Mapping[str, str]]) -> FusionPrompt:
-        """A request from chat messages whose text may hold `prompt.mark_chunk` marks."""
-        return self.layout.from_messages(messages)
+    def prompt_from_messages(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        find: Callable[[str], Sequence[Match]] | None = None,
+        documents: Mapping[str, str] | None = None,
+    ) -> FusionPrompt:
+        """A request from chat messages: chunks found by mark, by content (`find`) or as retrieved
+        `documents` (content id -> text) become chunk segments (see `PromptLayout.from_messages`)."""
+        return self.layout.from_messages(messages, find=find, documents=documents)
 
     # ---- caches ----------------------------------------------------------------------------------
     def prefix_cache(self, prefix_ids: torch.Tensor) -> ChunkKV | None:
@@ -360,6 +384,7 @@ class FusionEngine:
         ratio: float | None = None,
         caches: Mapping[str, ChunkKV] | None = None,
         variant: Variant | None = None,
+        learn: LearnFn | None = None,
     ) -> GenerationStream:
         """Answer `prompt`, streaming text pieces.
 
@@ -372,6 +397,8 @@ class FusionEngine:
             ratio: recompute ratio (default from EngineConfig).
             caches: chunk caches by chunk id, looked up before the store.
             variant: preferred stored cache variant (default from EngineConfig).
+            learn: called with the prompt and its computed buffer once decoding ends, when some
+                chunk had no usable cache (e.g. `learn.LearnedCaches.learn`).
         """
         sampling = sampling or SamplingConfig()
         select_config = self.config.select
@@ -384,7 +411,7 @@ class FusionEngine:
         lookup = self._lookup(caches, variant or self.config.cache_variant, store,
                               exact_first=exact_first)
         return GenerationStream(self._run(prompt, sampling, name, select_fn, select_config, lookup,
-                                          in_memory=caches or ()))
+                                          in_memory=caches or (), learn=learn))
 
     def full_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None) -> GenerationStream:
         """The baseline: a plain prefill of every prompt token from position 0, no cache reused."""
@@ -414,10 +441,14 @@ class FusionEngine:
         *,
         use_prefix: bool = True,
         in_memory: Container[str] = (),
+        learn: LearnFn | None = None,
     ) -> Iterator[str | Generation]:
         start = time.perf_counter()
+        prefilled = int(prompt.question.shape[0])
         if use_prefix:
             lookup = prefetch(prompt, lookup, self._loader, inline=in_memory)
+            with self._prefix_lock:
+                prefilled += 0 if tuple(prompt.prefix.tolist()) in self._prefixes else int(prompt.prefix.shape[0])
             prefix = self.prefix_cache(prompt.prefix)
             st = stitch(self.decoder, prompt, prefix, lookup, extra_capacity=sampling.max_new_tokens)
         else:  # full attention: everything, prefix included, is computed in one causal pass
@@ -457,7 +488,10 @@ class FusionEngine:
         tail = assembler.flush()
         if tail:
             yield tail
+        if learn is not None and st.missed:
+            learn(prompt, st)  # NOTE: after decoding: what it stores never delays the answer
         reused = st.num_reused_tokens - int(selected.shape[0])
+        context = prompt.num_tokens - int(prompt.prefix.shape[0]) - int(prompt.question.shape[0])
         yield Generation(
             text=assembler.text,
             token_ids=ids,
@@ -466,15 +500,17 @@ class FusionEngine:
             total_s=time.perf_counter() - start,
             prompt_tokens=prompt.num_tokens,
             reused_tokens=reused,
-            recomputed_tokens=recomputed if use_prefix else prompt.num_tokens,
+            recomputed_tokens=int(selected.shape[0]),
             selector=name,
             ratio=select_config.ratio if name not in ("none", "all", "full_attention") else None,
             kv_bytes_loaded=st.kv_bytes_loaded,
             first_token_logits=first_logits.detach().cpu(),
             cache_misses=dict(st.misses),
             cache_variants=dict(st.variants),
+            prefilled_tokens=prefilled + recomputed - int(selected.shape[0]) if use_prefix else prompt.num_tokens,
+            context_tokens=context,
         )
 
 
 
-__all__ = ["ChunkInput", "EngineConfig", "FusionEngine", "Generation", "GenerationStream"]
+__all__ = ["ChunkInput", "EngineConfig", "FusionEngine", "Generation", "GenerationStream", "LearnFn"]

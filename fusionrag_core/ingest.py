@@ -53,6 +53,7 @@ from fusionrag_core.errors import (
     InvalidRequestError,
 )
 from fusionrag_core.kv import Variant
+from fusionrag_core.recognise import content_index_for, index_content
 from fusionrag_core.store.base import KVStore
 
 log = logging.getLogger(__name__)
@@ -465,6 +466,8 @@ class Ingestor:
                 batch = chunks[start : start + self.config.batch_size]
                 self.builder.independent([(c.chunk_id, c.text) for c in batch])
                 bar.update(len(batch))
+        # NOTE: so prompts that hold a chunk's text find its cache without marks (recognise.py).
+        index_content(self.store, [(c.chunk_id, c.text) for c in chunks])
 
     def _embed(self, texts: Sequence[str]) -> np.ndarray:
         """`[N, d]` unit embeddings by the collection's embedding function, in batches."""
@@ -600,6 +603,9 @@ class Ingestor:
             ]
             self._mark_pending(dependants)
         vectordb.delete_ids(self.collection, chunk_ids)
+        content = content_index_for(self.store)
+        if content is not None:
+            content.remove(chunk_ids)
         for cid in chunk_ids:
             self.store.delete(cid)
         return len(chunk_ids)

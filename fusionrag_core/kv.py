@@ -97,6 +97,13 @@ class ChunkKV:
                     "it was built for another model: re-ingest"
                 )
 
+    def head(self, n: int) -> ChunkKV:
+        """The cache of the first `n` tokens (exact: under causal attention they never saw the rest)."""
+        if n == self.num_tokens:
+            return self
+        return ChunkKV(self.token_ids[:n], self.keys[:, :, :n], self.values[:, :, :n], self.positions[:n],
+                       self.fingerprint, self.variant)
+
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ChunkKV:
         """A copy on `device` (and `dtype` for keys/values)."""
         return ChunkKV(

@@ -4,16 +4,21 @@ Each piece is tokenized on its own, so a chunk's token ids are the same at inges
 whatever surrounds it. The layout comes from the model's chat template: rendering it once with
 sentinel strings shows where the instruction, the passages and the question go.
 
-Chunks can also be recognised inside a *flattened* prompt (what LangChain and LlamaIndex hand a
-model): `mark_chunk` wraps a chunk's text in private-use code points carrying its chunk id, and
-`PromptLayout.from_messages` splits the rendered conversation at those marks. The marks never
-reach the tokenizer, and text without marks is simply prefilled.
+Chunks are also found inside a *flattened* prompt (what LangChain and LlamaIndex hand a model) by
+`PromptLayout.from_messages`: by content (stored chunks whose text occurs verbatim, see
+`recognise.ContentIndex`), as retrieved documents (whose K/V may be learned, see `learn.py`), or
+by `mark_chunk` marks, the explicit fast path: private-use code points around the chunk's text
+carrying its chunk id and a MAC under a per-process key, so only this process can make one. Marks
+never reach the tokenizer; text where nothing is found is simply prefilled.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
-from collections.abc import Mapping, Sequence
+import secrets
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -22,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.compat import tokenize_plain, tokenize_template
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.recognise import Match
 
 DEFAULT_INSTRUCTION = (
     "Answer the question using the passages. Reply with a short answer only: a name, place, date or short phrase."
@@ -29,38 +35,73 @@ DEFAULT_INSTRUCTION = (
 CHUNK_SEPARATOR = "\n\n"
 QUESTION_TEMPLATE = "Question: {question}"
 
-# Private-use code points: they do not occur in ordinary text and no tokenizer merges across them.
+# Private-use code points delimit a mark; they never reach the tokenizer as part of one.
 MARK_OPEN, MARK_SEP, MARK_CLOSE = "\ue000", "\ue001", "\ue002"
 MARK_CHARS = (MARK_OPEN, MARK_SEP, MARK_CLOSE)
 _MARK_DELETE = str.maketrans(dict.fromkeys(MARK_CHARS))
-_MARK_RE = re.compile(f"{MARK_OPEN}([^{MARK_SEP}{MARK_CLOSE}]*){MARK_SEP}(.*?){MARK_CLOSE}", re.DOTALL)
+# NOTE: a mark is OPEN id SEP mac SEP length SEP text CLOSE. The length says where the text ends, so
+# a text holding mark characters is carried whole; the MAC (keyed BLAKE2b over id and text, under a
+# key drawn per process) means only this process's `mark_chunk` makes marks: anything else that
+# looks like one (in a question, a document, another process's output) is plain text.
+_MARK_HEAD_RE = re.compile(
+    f"{MARK_OPEN}([A-Za-z0-9_-]{{1,128}}){MARK_SEP}([0-9a-f]{{16}}){MARK_SEP}([0-9]{{1,9}}){MARK_SEP}")
+_MARK_KEY = secrets.token_bytes(32)
 _SENTINEL_CONTEXT, _SENTINEL_QUESTION = "\ue010CONTEXT\ue010", "\ue011QUESTION\ue011"
 
 
+def _mac(chunk_id: str, text: str) -> str:
+    data = chunk_id.encode() + b"\0" + text.encode()
+    return hashlib.blake2b(data, key=_MARK_KEY, digest_size=8).hexdigest()
+
+
 def mark_chunk(chunk_id: str, text: str) -> str:
-    """Wrap a chunk's text so a FusionRAG model can find it (and its cache) in a flattened prompt."""
-    if any(c in chunk_id for c in (MARK_OPEN, MARK_SEP, MARK_CLOSE)):
-        raise InvalidRequestError(f"chunk id {chunk_id!r} contains a reserved marker character")
-    return f"{MARK_OPEN}{chunk_id}{MARK_SEP}{text}{MARK_CLOSE}"
+    """Wrap a chunk's text so a FusionRAG model in this process finds it (and its cache) in a prompt.
+
+    Raises:
+        InvalidRequestError: `chunk_id` is not a storable chunk id (1-128 of `[A-Za-z0-9_-]`).
+    """
+    if re.fullmatch(r"[A-Za-z0-9_-]{1,128}", chunk_id) is None:
+        raise InvalidRequestError(f"chunk id {chunk_id!r} cannot be marked: expected 1-128 of [A-Za-z0-9_-]")
+    return f"{MARK_OPEN}{chunk_id}{MARK_SEP}{_mac(chunk_id, text)}{MARK_SEP}{len(text)}{MARK_SEP}{text}{MARK_CLOSE}"
+
+
+@dataclass(frozen=True)
+class MarkedChunk:
+    """A chunk marked by `mark_chunk` in this process, as found in a prompt."""
+
+    chunk_id: str
+    text: str
+
+
+def split_marks(text: str) -> list[str | MarkedChunk]:
+    """`text` cut into plain text and genuine marks, in order (adjacent plain pieces joined).
+
+    A mark whose MAC does not verify, or that is cut short, is not a mark: its characters stay text.
+    """
+    out: list[str | MarkedChunk] = []
+    plain_from, at = 0, text.find(MARK_OPEN)
+    while at >= 0:
+        head = _MARK_HEAD_RE.match(text, at)
+        if head is not None:
+            start = head.end()
+            end = start + int(head.group(3))
+            body = text[start:end]
+            if text[end : end + 1] == MARK_CLOSE and hmac.compare_digest(_mac(head.group(1), body), head.group(2)):
+                if at > plain_from:
+                    out.append(text[plain_from:at])
+                out.append(MarkedChunk(head.group(1), body))
+                plain_from = end + 1
+                at = text.find(MARK_OPEN, plain_from)
+                continue
+        at = text.find(MARK_OPEN, at + 1)
+    if plain_from < len(text) or not out:
+        out.append(text[plain_from:])
+    return out
 
 
 def strip_marks(text: str) -> str:
     """The text a reader (or another model) should see: marks removed, chunk text kept."""
-    return _MARK_RE.sub(lambda m: m.group(2), text)
-
-
-def check_marks(text: str) -> None:
-    """Refuse text holding mark characters outside complete `mark_chunk` marks.
-
-    Raises:
-        InvalidRequestError: a broken mark (it would otherwise reach the tokenizer as text).
-    """
-    if any(c in strip_marks(text) for c in MARK_CHARS):
-        raise InvalidRequestError(
-            "the prompt holds a broken chunk mark (private-use characters U+E000-U+E002 outside a complete mark): "
-            "build context with mark_chunk/format_docs and do not cut or edit marked text; if a framework split "
-            "it, retrieve fewer or smaller chunks so they fit one prompt"
-        )
+    return "".join(p if isinstance(p, str) else p.text for p in split_marks(text))
 
 
 def clean_output(text: str) -> str:
@@ -74,11 +115,23 @@ def clean_output(text: str) -> str:
 
 @dataclass(frozen=True)
 class Segment:
-    """A piece of context. `chunk_id` set: a chunk whose cache may be reused; else plain text."""
+    """A piece of context. `chunk_id` set: a chunk whose cache may be reused; else plain text.
+
+    Attributes:
+        kind: "chunk" or "text".
+        token_ids: `[T]` int64: the chunk's text, tokenized alone, then the passage separator when
+            the prompt has one there (a cache with more tokens is then reused for its first `T`).
+        chunk_id: the id its cache is looked up by.
+        text: the chunk's text, when known (a chunk found in a flattened prompt).
+        learn: whether the K/V computed for it, when it had no cache, may be kept as its cache
+            (chunks found by content or retrieved documents: their id is their content's).
+    """
 
     kind: Literal["chunk", "text"]
     token_ids: torch.Tensor  # [T] int64
     chunk_id: str | None = None
+    text: str | None = None
+    learn: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -176,37 +229,116 @@ class PromptLayout:
         return f"{before}{context}{QUESTION_TEMPLATE.format(question=question.strip())}{after}"
 
     # ---- flattened prompts from frameworks -------------------------------------------------------
-    def from_messages(
-        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
-    ) -> FusionPrompt:
-        """Split a conversation whose text may contain `mark_chunk` marks into a FusionPrompt.
-
-        Marked chunks become chunk segments (their cache is looked up by id and used only if the
-        token ids match); text between them is plain context; text after the last mark is the
-        question. Order does not matter: every mark carries its own id.
-        """
+    def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """The conversation as the model reads it (its chat template, or plain turns without one)."""
         if not messages:
             raise InvalidRequestError("no messages: pass at least one user message")
-        for m in messages:
-            check_marks(m["content"])
         if self.has_template:
-            text = str(self.tokenizer.apply_chat_template(
+            return str(self.tokenizer.apply_chat_template(
                 [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt))
-        else:
-            text = "\n\n".join(m["content"] for m in messages) + ("\nAnswer:" if add_generation_prompt else "")
-            text = (self.tokenizer.bos_token or "") + text
-        pieces = _MARK_RE.split(text)  # [text, id, chunk, text, id, chunk, ..., text]
-        prefix = _ids(tokenize_template(self.tokenizer, pieces[0])) if len(pieces) > 1 else _ids([])
+        text = "\n\n".join(m["content"] for m in messages) + ("\nAnswer:" if add_generation_prompt else "")
+        return (self.tokenizer.bos_token or "") + text
+
+    def from_messages(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        find: Callable[[str], Sequence[Match]] | None = None,
+        documents: Mapping[str, str] | None = None,
+    ) -> FusionPrompt:
+        """Split a rendered conversation into a FusionPrompt at the chunks found in it.
+
+        Chunks are found three ways: `mark_chunk` marks made in this process; stored chunks whose
+        text occurs verbatim (`find`, e.g. `ContentIndex.find`); and `documents` (content id ->
+        text of documents retrieved for this request), whose K/V may be learned as their cache.
+        Each becomes a chunk segment (its cache is used only if the token ids match); text between
+        chunks is plain context; text before the first is the prefix, after the last the question.
+        """
+        pieces = _locate(self.render(messages, add_generation_prompt=add_generation_prompt), find, documents or {})
+        if not any(isinstance(p, _Found) for p in pieces):
+            return FusionPrompt(_ids([]), (), _ids(tokenize_template(self.tokenizer, "".join(map(str, pieces)))))
+        first = next(i for i, p in enumerate(pieces) if isinstance(p, _Found))
+        prefix = _ids(tokenize_template(self.tokenizer, "".join(str(p) for p in pieces[:first])))
         segments: list[Segment] = []
-        for j in range(1, len(pieces) - 1, 3):
-            chunk_id, chunk_text = pieces[j], pieces[j + 1]
-            if chunk_text.strip():
-                segments.append(Segment("chunk" if chunk_id else "text", self.chunk_ids(chunk_text), chunk_id or None))
-            between = pieces[j + 2]
-            if between and j + 3 < len(pieces) - 1:
-                segments.append(Segment("text", _ids(tokenize_template(self.tokenizer, between))))
-        tail = pieces[-1] if len(pieces) > 1 else pieces[0]
+        tail = ""
+        for i in range(first, len(pieces)):
+            piece = pieces[i]
+            if isinstance(piece, str):
+                tail = piece
+                continue
+            if tail:
+                segments.append(Segment("text", _ids(tokenize_template(self.tokenizer, tail))))
+            tail = ""
+            segments.append(self._chunk_segment(piece, pieces, i))
+        if not tail and segments[-1].learn:
+            # NOTE: a prompt that ends with a found chunk's text: that text is the question.
+            tail = segments.pop().text or ""
         question = _ids(tokenize_template(self.tokenizer, tail))
         if question.numel() == 0:
             raise InvalidRequestError("the prompt ends with a chunk: put the question after the context")
         return FusionPrompt(prefix, tuple(segments), question)
+
+    def _chunk_segment(self, found: _Found, pieces: list[str | _Found], i: int) -> Segment:
+        """A found chunk as a segment; a separator right after it in the prompt is taken into it.
+
+        NOTE: a marked chunk always gets the separator (its mark stands for "text + separator").
+        """
+        following = pieces[i + 1] if i + 1 < len(pieces) else ""
+        if found.source == "mark":
+            ids = self.chunk_ids(found.text)
+        elif isinstance(following, str) and following.startswith(CHUNK_SEPARATOR) and (
+                len(following) > len(CHUNK_SEPARATOR) or i + 2 < len(pieces)):
+            ids = self.chunk_ids(found.text)
+            pieces[i + 1] = following[len(CHUNK_SEPARATOR):]
+        else:
+            ids = _ids(tokenize_plain(self.tokenizer, found.text))
+        return Segment("chunk", ids, found.chunk_id, found.text, learn=found.source != "mark")
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A chunk found in a rendered prompt, and how."""
+
+    chunk_id: str
+    text: str
+    source: Literal["mark", "content", "document"]
+
+
+def _locate(text: str, find: Callable[[str], Sequence[Match]] | None,
+            documents: Mapping[str, str]) -> list[str | _Found]:
+    """`text` as plain pieces and found chunks, in order; marks first, then content, then documents."""
+    out: list[str | _Found] = []
+    for part in split_marks(text):
+        if isinstance(part, MarkedChunk):
+            out.append(_Found(part.chunk_id, part.text, "mark"))
+            continue
+        spans = [(m.start, m.end, m.chunk_id, "content") for m in find(part)] if find is not None else []
+        spans += _document_spans(part, documents, spans)
+        at = 0
+        for start, end, chunk_id, source in sorted(spans):
+            if start > at:
+                out.append(part[at:start])
+            out.append(_Found(chunk_id, part[start:end], source))  # type: ignore[arg-type]
+            at = end
+        if at < len(part) or not out:
+            out.append(part[at:])
+    return out
+
+
+def _document_spans(text: str, documents: Mapping[str, str],
+                    taken: Sequence[tuple[int, int, str, str]]) -> list[tuple[int, int, str, str]]:
+    """Where the documents' texts occur in `text`, clear of `taken` spans and of each other."""
+    spans = list(taken)
+    found: list[tuple[int, int, str, str]] = []
+    for chunk_id, doc in documents.items():
+        if not doc.strip():
+            continue
+        at = text.find(doc)
+        while at >= 0:
+            end = at + len(doc)
+            if all(end <= s or at >= e for s, e, _, _ in spans):
+                spans.append((at, end, chunk_id, "document"))
+                found.append(spans[-1])
+            at = text.find(doc, end)
+    return found

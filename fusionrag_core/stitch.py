@@ -71,6 +71,8 @@ class Stitched:
         kv_bytes_loaded: bytes of chunk K/V read from caches.
         misses: chunk ids whose cache was missing or did not match, with the reason.
         variants: how many reused chunks came from each cache variant ("fused", "independent").
+        missed: `(segment index, its slots [T])` of each chunk segment computed afresh (no usable
+            cache): after the recompute pass its K/V there is what a cache of it would hold.
     """
 
     decoder: Decoder
@@ -82,6 +84,7 @@ class Stitched:
     kv_bytes_loaded: int = 0
     misses: dict[str, str] = field(default_factory=dict)
     variants: dict[str, int] = field(default_factory=dict)
+    missed: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def reusable_slots(self) -> torch.Tensor:
@@ -134,22 +137,37 @@ def stitch(
     loaded = 0
     misses: dict[str, str] = {}
     variants: dict[str, int] = {}
+    missed: list[tuple[int, torch.Tensor]] = []
     for i, seg in enumerate(prompt.segments):
         start = buf.length
         found = lookup(seg.chunk_id, i == 0) if seg.chunk_id else None
         kv = found if isinstance(found, ChunkKV) else None
-        if kv is not None and not torch.equal(kv.token_ids.cpu(), seg.token_ids.cpu()):
+        reused = _shared_head(kv.token_ids, seg.token_ids) if kv is not None else 0
+        if kv is not None and reused == 0:
             misses[seg.chunk_id or ""] = "cached token ids differ from the prompt's text"
-            kv = None
         elif seg.chunk_id and kv is None:
             misses[seg.chunk_id] = (found if isinstance(found, CacheMiss) else NO_CACHE).reason
-        if kv is None:
-            forced.append(buf.reserve(torch.arange(start, start + seg.num_tokens, device=device), valid=False))
+        if kv is None or reused == 0:
+            slots = buf.reserve(torch.arange(start, start + seg.num_tokens, device=device), valid=False)
+            forced.append(slots)
+            if seg.chunk_id:
+                missed.append((i, slots))
             continue
+        kv = kv.head(reused)
         chunk_slots.append(append_shifted(decoder, buf, kv))
+        if reused < seg.num_tokens:  # e.g. a separator the cache was computed without
+            forced.append(buf.reserve(torch.arange(buf.length, start + seg.num_tokens, device=device), valid=False))
         loaded += kv.nbytes
         variants[kv.variant] = variants.get(kv.variant, 0) + 1
     q_len = int(prompt.question.shape[0])
     question_slots = buf.reserve(torch.arange(buf.length, buf.length + q_len, device=device), valid=False)
     forced_slots = torch.cat(forced) if forced else torch.empty(0, dtype=torch.int64, device=device)
-    return Stitched(decoder, buf, slot_tokens, chunk_slots, forced_slots, question_slots, loaded, misses, variants)
+    return Stitched(decoder, buf, slot_tokens, chunk_slots, forced_slots, question_slots, loaded, misses, variants,
+                    missed)
+
+
+def _shared_head(cached: torch.Tensor, prompt: torch.Tensor) -> int:
+    """How many leading prompt tokens a cache covers: all of the shorter of the two when it is a
+    prefix of the longer (a chunk with or without its trailing separator), else 0."""
+    n = min(int(cached.shape[0]), int(prompt.shape[0]))
+    return n if n > 0 and torch.equal(cached[:n].cpu(), prompt[:n].cpu()) else 0

@@ -17,7 +17,6 @@ from fusionrag_core.ingest import CHUNK_INDEX_KEY, DOC_ID_KEY, RESERVED_KEYS
 from fusionrag_core.prompt import mark_chunk
 from fusionrag_core.store import KVStore, validate_chunk_id
 from fusionrag_core.vectordb import RetrievedChunk
-from fusionrag_integrations.langchain.messages import MARK_CHARS
 
 CacheStatus = Literal["fused", "independent", "missing"]
 CHUNK_ID_KEY = "chunk_id"
@@ -38,17 +37,11 @@ def format_docs(docs: Sequence[Document]) -> str:
     NOTE: the marks are private-use characters read by ChatFusionRAG / FusionRAGLLM; for any other
     model remove them with `fusionrag_core.prompt.strip_marks`.
 
-    Raises:
-        InvalidRequestError: a document's text already holds mark characters (e.g. it is itself
-            the output of `format_docs`).
+    NOTE: a document's text may hold any characters, mark characters included: a mark records
+    its text's length and a MAC, so nothing inside a document can end or forge a mark.
     """
     parts: list[str] = []
     for doc in docs:
-        if any(c in doc.page_content for c in MARK_CHARS):
-            raise InvalidRequestError(
-                f"document {doc.id!r} already holds chunk-mark characters; pass the plain documents to "
-                "format_docs, not formatted context"
-            )
         chunk_id = _chunk_id(doc)
         parts.append(mark_chunk(chunk_id, doc.page_content) if chunk_id else doc.page_content)
     return "".join(parts)

@@ -1,8 +1,8 @@
 """LangChain messages in, clean text out: the boundary between LangChain and the engine's prompts.
 
 Messages become the role/content dicts that `FusionEngine.prompt_from_messages` renders with the
-model's chat template; chunks marked with `fusionrag_core.prompt.mark_chunk` (see `format_docs`)
-are recognised there. Mark characters never reach the tokenizer and never leave in output text.
+model's chat template; stored chunks are found there by content, or by the marks of
+`fusionrag_core.prompt.mark_chunk` (see `format_docs`). Mark characters never leave in output text.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from langchain_core.messages import BaseMessage, convert_to_openai_messages
 
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.prompt import MARK_CHARS, check_marks, clean_output
+from fusionrag_core.prompt import MARK_CHARS, clean_output
 
 
 def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
@@ -23,8 +23,7 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     templates of the supported models do not render them).
 
     Raises:
-        InvalidRequestError: a message holds non-text content (images, audio, files), or a broken
-            chunk mark (mark characters that are not a complete `mark_chunk` mark).
+        InvalidRequestError: a message holds non-text content (images, audio, files).
     """
     out: list[dict[str, str]] = []
     for message in convert_to_openai_messages(list(messages), text_format="string"):
@@ -35,7 +34,6 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
                 f"a {message['role']} message holds {', '.join(kinds) or 'non-text'} content; FusionRAG models "
                 "read text only: pass text content"
             )
-        check_marks(content)
         out.append({"role": str(message["role"]), "content": content})
     return out
 

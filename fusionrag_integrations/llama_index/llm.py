@@ -32,7 +32,7 @@ from llama_index.core.llms.custom import CustomLLM
 from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.prompt import FusionPrompt, check_marks, clean_output
+from fusionrag_core.prompt import FusionPrompt, clean_output
 from fusionrag_core.store import KVStore, open_store
 from fusionrag_integrations.llama_index.aio import call_in_thread, iterate_in_thread
 
@@ -168,8 +168,6 @@ class FusionRAGLLM(CustomLLM):
             if self.system_prompt:
                 messages.append({"role": "system", "content": self.system_prompt})
         messages.append({"role": "user", "content": prompt})
-        for message in messages:
-            check_marks(message["content"])
         return self.engine.prompt_from_messages(messages)
 
     @llm_completion_callback()
@@ -248,7 +246,6 @@ def _message_dict(message: ChatMessage) -> dict[str, str]:
             "send text content"
         )
     content = message.content or ""
-    check_marks(content)
     return {"role": message.role.value, "content": content}
 
 

@@ -32,6 +32,7 @@ from fusionrag_core.chunking import ChunkingConfig, chunk_id
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import FusionRAGError, InvalidRequestError
 from fusionrag_core.ingest import RESERVED_KEYS, IngestConfig, NeighbourOrder
+from fusionrag_core.recognise import index_content
 from fusionrag_core.store import KVStore
 from fusionrag_integrations.llama_index.embedding import FusionRAGEmbedding
 from fusionrag_integrations.llama_index.llm import FusionRAGLLM
@@ -137,6 +138,9 @@ class FusionKVTransform(TransformComponent):
         kept = _rename(nodes, [chunk_id(text, engine.fingerprint, _CHUNKING) for text in texts])
         for node in kept:
             _tag(node)
+        # NOTE: every kept node, cached now or before: the standard query engine's prompts then find
+        # the chunks by their text (recognise.py), with no marker in the pipeline.
+        index_content(store, [(node.node_id, _chunk_text(node)) for node in kept])
         fused = self.fuse and self.neighbors > 0
         todo = [node for node in kept if not store.has(node.node_id, "fused" if fused else "independent")]
         progress = bool(kwargs.get("show_progress", False))
