@@ -369,10 +369,11 @@ class FusionEngine:
         ratio: float | None = None,
         caches: Mapping[str, ChunkKV] | None = None,
         variant: Variant | None = None,
+        learn: LearnFn | None = None,
     ) -> Generation:
         """Answer `prompt` and return the finished Generation; the arguments are `stream`'s."""
         return self.stream(prompt, store=store, sampling=sampling, selector=selector, ratio=ratio, caches=caches,
-                           variant=variant).collect()
+                           variant=variant, learn=learn).collect()
 
     def stream(
         self,

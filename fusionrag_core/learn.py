@@ -73,7 +73,7 @@ class LearnedCaches:
     """A bounded, LRU directory of caches learned from requests of one model.
 
     Args:
-        root: the directory (created if missing); one per model (see `default_learned_dir`).
+        root: the directory (created if missing); one per model (see `paths.learned_dir`).
         fingerprint: the model's fingerprint; caches of other models are never stored here.
         config: bound and dtype.
     """
@@ -161,11 +161,6 @@ def _shrink(kv: ChunkKV, storage_dtype: StorageDType) -> int:
     return max(1, kv.keys.element_size() // stored)
 
 
-def default_learned_dir(data_dir: Path | str, fingerprint: str) -> Path:
-    """`<data_dir>/learned/<model fingerprint prefix>`: one learned-cache directory per model."""
-    return Path(data_dir).expanduser() / "learned" / fingerprint[:16]
-
-
 _open: dict[Path, LearnedCaches] = {}
 _open_lock = threading.Lock()
 
@@ -184,9 +179,9 @@ def open_learned(root: Path | str, fingerprint: str, config: LearnConfig | None 
         elif learned.fingerprint != fingerprint or (config is not None and learned.config != config):
             raise InvalidRequestError(
                 f"learned caches at {path} are already open for another model or with other settings; "
-                "give each model its own directory (default_learned_dir does)"
+                "give each model its own directory (paths.learned_dir does)"
             )
         return learned
 
 
-__all__ = ["DEFAULT_MAX_BYTES", "LearnConfig", "LearnedCaches", "content_id", "default_learned_dir", "open_learned"]
+__all__ = ["DEFAULT_MAX_BYTES", "LearnConfig", "LearnedCaches", "content_id", "open_learned"]

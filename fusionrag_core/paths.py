@@ -2,6 +2,7 @@
 
     <data_dir>/chroma/                 the embedded Chroma database (unless a Chroma server is used)
     <data_dir>/kv/<collection_name>/   the disk KV store of one collection (unless Redis is used)
+    <data_dir>/learned/<model>/        caches learned from traffic by one model (see learn.py)
 
 NOTE: standard library only: the CLI reads these defaults before it imports torch or chromadb.
 """
@@ -24,4 +25,9 @@ def kv_dir(data_dir: str | Path, collection_name: str) -> Path:
     return Path(data_dir).expanduser() / "kv" / collection_name
 
 
-__all__ = ["DEFAULT_COLLECTION", "DEFAULT_DATA_DIR", "chroma_dir", "kv_dir"]
+def learned_dir(data_dir: str | Path, fingerprint: str) -> Path:
+    """The learned caches of the model `fingerprint` under `data_dir` (one directory per model)."""
+    return Path(data_dir).expanduser() / "learned" / fingerprint[:16]
+
+
+__all__ = ["DEFAULT_COLLECTION", "DEFAULT_DATA_DIR", "chroma_dir", "kv_dir", "learned_dir"]

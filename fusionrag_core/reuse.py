@@ -34,12 +34,19 @@ class ReuseSources(KVStore):
 
     A read view (`put` goes to the primary store) that also finds chunks by content in both
     content indexes. Either part may be None.
+
+    Args:
+        primary: the KV store ingest wrote (None: none attached).
+        learned: caches learned so far (None: learning off, or nothing learned yet).
+        learning: whether retrieved documents are made learnable (default: `learned` is given).
     """
 
-    def __init__(self, primary: KVStore | None, learned: LearnedCaches | None) -> None:
+    def __init__(self, primary: KVStore | None, learned: LearnedCaches | None, *,
+                 learning: bool | None = None) -> None:
         super().__init__(primary.storage_dtype if primary is not None else "float16")
         self.primary = primary
         self.learned = learned
+        self.learning = learned is not None if learning is None else learning
         self.primary_index = content_index_for(primary) if primary is not None else None
 
     def find(self, text: str) -> list[Match]:
@@ -56,7 +63,7 @@ class ReuseSources(KVStore):
         """`messages` as a FusionPrompt: chunks found by mark or content; `documents` (texts
         retrieved for this request) become learnable chunks where they occur, if learning is on."""
         docs: dict[str, str] = {}
-        if self.learned is not None:
+        if self.learning:
             for text in documents:
                 text = text.strip()
                 if text:
@@ -98,7 +105,7 @@ class ReuseSources(KVStore):
 
 def learned_ids(prompt: FusionPrompt, generation: Generation, sources: ReuseSources) -> list[str]:
     """Chunks of `prompt` whose K/V this request kept as their learned cache."""
-    if sources.learned is None:
+    if not sources.learning:
         return []
     return [s.chunk_id for s in prompt.segments if s.learn and s.chunk_id and s.chunk_id in generation.cache_misses]
 
@@ -137,13 +144,13 @@ def diagnose(prompt: FusionPrompt, generation: Generation, sources: ReuseSources
     if generation.cache_misses:
         return ("chunks were found but their caches are missing or do not match (" + reasons[:200] + "); run "
                 "`fusionrag verify` / ingest again for this store")
-    if sources.primary is None and sources.learned is None:
+    if sources.primary is None and not sources.learning:
         return ("no KV store is attached and learning is off; pass index= or store= (the store ingest wrote), "
                 "or turn learning on")
-    if sources.primary_index is None and sources.learned is None:
+    if sources.primary_index is None and not sources.learning:
         return ("this KV store cannot find chunks by content (a Redis store keeps no content index); mark "
                 "chunks with format_docs / FusionChunkMarker, or use a disk store")
-    if sources.primary_index is not None and len(sources.primary_index) == 0 and sources.learned is None:
+    if sources.primary_index is not None and len(sources.primary_index) == 0 and not sources.learning:
         return ("the store holds no indexed chunk text: ingest the documents (FusionIndex.add_texts, "
                 "FusionVectorStore, FusionKVTransform) or turn learning on")
     return ("the context matches no stored chunk verbatim (documents changed or were split differently after "

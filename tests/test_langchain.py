@@ -170,8 +170,9 @@ def test_messages_become_role_dicts_and_non_text_is_refused() -> None:
     image = HumanMessage([{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "data:,x"}}])
     with pytest.raises(InvalidRequestError, match="image_url"):
         to_chat_dicts([image])
-    with pytest.raises(InvalidRequestError, match="broken chunk mark"):
-        to_chat_dicts([HumanMessage(f"cut {MARK_OPEN}chunk-1{MARK_SEP}text without end")])
+    # a cut (or forged) mark is plain text: it names no cache and breaks nothing
+    cut = f"cut {MARK_OPEN}chunk-1{MARK_SEP}text without end"
+    assert to_chat_dicts([HumanMessage(cut)]) == [{"role": "user", "content": cut}]
 
 
 def test_format_docs_marks_chunks_and_strips_back_to_the_texts(docs: list[Document]) -> None:
@@ -181,8 +182,9 @@ def test_format_docs_marks_chunks_and_strips_back_to_the_texts(docs: list[Docume
     assert text.count(MARK_OPEN) == len(docs)
     assert strip_marks(text) == "".join(d.page_content for d in [*docs, anonymous, foreign])
     assert not _has_marks(strip_marks(text))
-    with pytest.raises(InvalidRequestError, match="already holds chunk-mark"):
-        format_docs([Document(id="x", page_content=text)])
+    # a document whose text holds marks (here: formatted context) is marked whole and read back whole
+    nested = format_docs([Document(id="x", page_content=text)])
+    assert strip_marks(nested) == text
 
 
 # ---- recognition: order, token boundaries, unknown text -----------------------------------------------

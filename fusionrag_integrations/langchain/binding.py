@@ -11,7 +11,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import torch
 from langchain_core.language_models import LangSmithParams
@@ -19,18 +21,22 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from typing_extensions import Self
 
 from fusionrag_core.decode import SamplingConfig
-from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
+from fusionrag_core.engine import FusionEngine, Generation, GenerationStream, LearnFn
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.kv import Variant
+from fusionrag_core.learn import DEFAULT_MAX_BYTES, LearnConfig, LearnedCaches, open_learned
 from fusionrag_core.model import DEFAULT_MODEL, check_device
-from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, kv_dir
+from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, kv_dir, learned_dir
 from fusionrag_core.prompt import FusionPrompt
+from fusionrag_core.reuse import ReuseMonitor, ReuseSources
 from fusionrag_core.select import SelectConfig, get_selector
+from fusionrag_core.stitch import Stitched
 from fusionrag_core.store import DiskKVStore, KVStore
 from fusionrag_integrations.langchain.arguments import normalize_arguments
 from fusionrag_integrations.langchain.messages import clean_output
 from fusionrag_integrations.langchain.structured import response_grammar
+from fusionrag_integrations.langchain.observe import retrieved_texts
 
 PROVIDER = "fusionrag"
 
@@ -59,12 +65,13 @@ class RequestOptions:
     variant: Variant | None
     full_attention: bool = False
 
-    def stream(self, engine: FusionEngine, prompt: FusionPrompt, store: KVStore | None) -> GenerationStream:
-        """Start generating `prompt` on `engine` with these options, reading chunk caches from `store`."""
+    def stream(self, engine: FusionEngine, prompt: FusionPrompt, *, store: KVStore | None = None,
+               learn: LearnFn | None = None) -> GenerationStream:
+        """Start generating `prompt` on `engine` with these options, reading caches from `store`."""
         if self.full_attention:
             return engine.full_attention(prompt, sampling=self.sampling)
-        return engine.stream(prompt, store=store, sampling=self.sampling, selector=self.selector, ratio=self.ratio,
-                             variant=self.variant)
+        return engine.stream(prompt, sampling=self.sampling, selector=self.selector, ratio=self.ratio,
+                             variant=self.variant, store=store, learn=learn)
 
 
 class FusionRAGModelFields(BaseModel):
@@ -123,9 +130,17 @@ class FusionRAGModelFields(BaseModel):
     """Stored cache variant to prefer: "fused" or "independent" (None: the engine's default)."""
     full_attention: bool = False
     """Answer with a plain prefill of the whole prompt, reusing no cache (the baseline to compare with)."""
+    learn: bool = True
+    """Keep the K/V of documents a LangChain retriever returned in this model's run (same chain) as
+    their caches, so they are reused from the next prompt that holds them, with no ingest."""
+    learned_dir: str | None = None
+    """Directory of learned caches (default `<data_dir>/learned/<model fingerprint>`)."""
+    learned_max_bytes: int = DEFAULT_MAX_BYTES
+    """Bound of the learned caches in bytes; the least recently used go first."""
 
     _loaded: tuple[FusionEngine, KVStore | None] | None = PrivateAttr(default=None)
     _load_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+    _monitor: ReuseMonitor | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -263,7 +278,7 @@ class FusionRAGModelFields(BaseModel):
             raise InvalidRequestError(
                 f"unsupported call option(s) {sorted(unknown)}; a FusionRAG model accepts "
                 f"{sorted([*CALL_OPTIONS, 'response_format'])} "
-                "(chunk caches are found by the chunk ids marked in the prompt, see format_docs)"
+                "(chunk caches are found by the chunk texts in the prompt, or by format_docs marks)"
             )
         value = {name: overrides.get(name, getattr(self, name)) for name in CALL_OPTIONS}
         sampling = SamplingConfig(
@@ -285,19 +300,58 @@ class FusionRAGModelFields(BaseModel):
             raise InvalidRequestError(f"unknown cache variant {value['variant']!r}; use 'fused' or 'independent'")
         return RequestOptions(sampling, value["selector"], value["ratio"], value["variant"], self.full_attention)
 
+    def reuse_sources(self) -> ReuseSources:
+        """Where this request's caches come from: the KV store (ingested), then learned caches."""
+        engine, store = self._resolve()
+        return ReuseSources(store, self._learned(engine, create=False),
+                            learning=self.learn and not self.full_attention)
+
+    def reuse_prompt(self, messages: Sequence[Mapping[str, str]], run_id: UUID | None) -> FusionPrompt:
+        """`messages` as a FusionPrompt: stored chunks found by mark or content; documents a retriever
+        returned in the trace of `run_id` (this model's run) become learnable chunks."""
+        documents = retrieved_texts(run_id) if self.learn else []
+        return self.reuse_sources().prompt(self.fusion_engine(), messages, documents)
+
+    def _learned(self, engine: FusionEngine, *, create: bool) -> LearnedCaches | None:
+        """The learned caches, or None when learning is off (or, unless `create`, none exist yet)."""
+        if not self.learn:
+            return None
+        root = Path(self.learned_dir).expanduser() if self.learned_dir else learned_dir(self.data_dir, engine.fingerprint)
+        if not create and not (root / "lru.sqlite").exists():
+            return None
+        return open_learned(root, engine.fingerprint, LearnConfig(max_bytes=self.learned_max_bytes))
+
     def generate_pieces(
         self, prompt: FusionPrompt, stop: Sequence[str] | None, overrides: Mapping[str, Any]
     ) -> Iterator[str | Generation]:
-        """Stream `prompt`: text pieces (mark characters removed), then the finished Generation."""
+        """Stream `prompt`: text pieces (mark characters removed), then the finished Generation.
+
+        Chunks without a usable cache that are learnable are kept as learned caches; a request with
+        context that reuses nothing logs one warning per model (see `fusionrag_core.reuse`).
+        """
         options = self.request_options(stop, overrides)
-        engine, store = self._resolve()
-        stream = options.stream(engine, prompt, store)
+        engine, sources = self.fusion_engine(), self.reuse_sources()
+
+        def learn(request: FusionPrompt, st: Stitched) -> None:
+            learned = self._learned(engine, create=True)
+            if learned is not None and any(request.segments[i].learn for i, _ in st.missed):
+                learned.learn(request, st)
+
+        stream = options.stream(engine, prompt, store=sources, learn=learn if self.learn else None)
         for piece in stream:
             text = clean_output(piece)
             if text:
                 yield text
         assert stream.result is not None  # NOTE: set by GenerationStream once exhausted.
+        if not options.full_attention:
+            self._reuse_monitor().check(engine, prompt, stream.result, sources)
         yield stream.result
+
+    def _reuse_monitor(self) -> ReuseMonitor:
+        with self._load_lock:
+            if self._monitor is None:
+                self._monitor = ReuseMonitor(self.model_name)
+            return self._monitor
 
     # ---- LangChain overrides shared by both models ----------------------------------------------
     # NOTE: this mixin comes before BaseChatModel / LLM in their bases, so these override those
@@ -338,11 +392,13 @@ def generation_metadata(generation: Generation, model_name: str) -> dict[str, An
     Keys: model_name, model_provider, every key of `Generation.stats()` (ttft_s, total_s,
     prompt_tokens, completion_tokens, reused_tokens, recomputed_tokens, selector, ratio,
     finish_reason, cache_misses as a count, fused_chunks / independent_chunks, ...) and
-    cache_miss_ids, the chunk ids that had no usable cache and were prefilled.
+    cache_miss_ids, the chunk ids that had no usable cache and were prefilled, and
+    cache_miss_reasons, chunk id -> why.
     """
     return {
         "model_name": model_name,
         "model_provider": PROVIDER,
         **generation.stats(),
         "cache_miss_ids": sorted(generation.cache_misses),
+        "cache_miss_reasons": dict(generation.cache_misses),
     }

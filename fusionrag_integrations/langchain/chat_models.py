@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from typing import Any
+from uuid import UUID
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.documents import Document
@@ -85,7 +86,8 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
         """Not supported: raises NotImplementedError saying what to use (`with_structured_output`)."""
         raise NotImplementedError(BIND_TOOLS_MESSAGE)
 
-    def fusion_prompt(self, messages: list[BaseMessage], documents: Sequence[Document] | None = None) -> FusionPrompt:
+    def fusion_prompt(self, messages: list[BaseMessage], documents: Sequence[Document] | None = None,
+                      run_id: UUID | None = None) -> FusionPrompt:
         """The engine request `invoke(messages, documents=documents)` runs.
 
         Args:
@@ -98,7 +100,7 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
         """
         engine = self.fusion_engine()
         if documents is None:
-            return engine.prompt_from_messages(to_chat_dicts(messages))
+            return self.reuse_prompt(to_chat_dicts(messages), run_id)
         system, question = messages[:-1], messages[-1] if messages else None
         if not isinstance(question, HumanMessage) or len(system) > 1 or not all(
             isinstance(m, SystemMessage) for m in system
@@ -129,7 +131,7 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
         # NOTE: async (`ainvoke`, `astream`) is LangChain's default: this generator runs in an
         # executor thread, so the blocking engine never stalls the event loop.
         documents = kwargs.pop("documents", None)
-        prompt = self.fusion_prompt(messages, documents)
+        prompt = self.fusion_prompt(messages, documents, run_manager.run_id if run_manager is not None else None)
         for piece in self.generate_pieces(prompt, stop, kwargs):
             if isinstance(piece, Generation):
                 yield self._final_chunk(piece)

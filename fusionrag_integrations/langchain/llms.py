@@ -81,8 +81,8 @@ class FusionRAGLLM(FusionRAGModelFields, LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        engine = self.fusion_engine()
-        request = engine.prompt_from_messages(to_chat_dicts([HumanMessage(content=prompt)]))
+        run_id = run_manager.run_id if run_manager is not None else None
+        request = self.reuse_prompt(to_chat_dicts([HumanMessage(content=prompt)]), run_id)
         for piece in self.generate_pieces(request, stop, kwargs):
             if isinstance(piece, Generation):
                 yield GenerationChunk(text="", generation_info=generation_metadata(piece, self.model_name))
