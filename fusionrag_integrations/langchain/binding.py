@@ -316,7 +316,9 @@ class FusionRAGModelFields(BaseModel):
         """The learned caches, or None when learning is off (or, unless `create`, none exist yet)."""
         if not self.learn:
             return None
-        root = Path(self.learned_dir).expanduser() if self.learned_dir else learned_dir(self.data_dir, engine.fingerprint)
+        root = learned_dir(self.data_dir, engine.fingerprint)
+        if self.learned_dir:
+            root = Path(self.learned_dir).expanduser()
         if not create and not (root / "lru.sqlite").exists():
             return None
         return open_learned(root, engine.fingerprint, LearnConfig(max_bytes=self.learned_max_bytes))
