@@ -35,8 +35,8 @@ from fusionrag_core.stitch import Stitched
 from fusionrag_core.store import DiskKVStore, KVStore
 from fusionrag_integrations.langchain.arguments import normalize_arguments
 from fusionrag_integrations.langchain.messages import clean_output
-from fusionrag_integrations.langchain.structured import response_grammar
 from fusionrag_integrations.langchain.observe import retrieved_texts
+from fusionrag_integrations.langchain.structured import response_grammar
 
 PROVIDER = "fusionrag"
 
