@@ -35,7 +35,7 @@ import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -82,7 +82,6 @@ _OPEN_RADIUS = 3.0
 # NOTE: embeddings of the same text computed in different batches differ in the last float bits;
 # a neighbour must be nearer by more than this to count as a change (no re-fusion flapping).
 _RADIUS_EPS = 1e-5
-_SCAN_PAGE = 1024
 # NOTE: rows of a distance matrix computed at once: [256, N] float32 stays ~100 MB at N = 100k.
 _BLOCK = 256
 
@@ -211,6 +210,27 @@ class VerifyReport:
 
 
 @dataclass
+class Problems:
+    """What `Ingestor.find_problems` found, for `Ingestor.repair`.
+
+    Attributes:
+        report: the counts (the `verify` result).
+        orphans: store ids without a Chroma entry.
+        textless: Chroma ids without text.
+        bad_independent: `(chunk id, text)` of missing, corrupt or mismatched independent caches.
+        bad_fused: chunk ids of missing, corrupt or mismatched fused caches.
+        stale: chunk ids of fused caches out of date (pending, or a neighbour is gone).
+    """
+
+    report: VerifyReport
+    orphans: list[str] = field(default_factory=list)
+    textless: list[str] = field(default_factory=list)
+    bad_independent: list[tuple[str, str]] = field(default_factory=list)
+    bad_fused: list[str] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)
+
+
+@dataclass
 class _Chunk:
     """One chunk to ingest: its first occurrence decides its metadata."""
 
@@ -221,16 +241,6 @@ class _Chunk:
     metadata: dict[str, Primitive]
     owners: list[str] = field(default_factory=list)
     neighbours: list[tuple[str, float]] = field(default_factory=list)
-
-
-@dataclass
-class _Row:
-    """A chunk as the collection holds it."""
-
-    chunk_id: str
-    text: str | None
-    metadata: dict[str, Any]
-    embedding: np.ndarray | None = None
 
 
 def _owners(metadata: Mapping[str, Any]) -> list[str]:
@@ -318,7 +328,7 @@ class Ingestor:
         report = IngestReport(doc_ids=list(docs), chunk_ids=[list(ids) for ids in docs.values()])
         prefills = self.prefills
 
-        present = self._rows(list(chunks))
+        present = vectordb.get_rows(self.collection, list(chunks))
         report.removed_chunks = self._settle_ownership(docs, present)
         new = [c for cid, c in chunks.items() if cid not in present]
         incomplete = self._incomplete(present)
@@ -383,42 +393,10 @@ class Ingestor:
         return docs, chunks
 
     def _text_of(self, chunk_id: str) -> str | None:
-        row = self._rows([chunk_id]).get(chunk_id)
+        row = vectordb.get_rows(self.collection, [chunk_id]).get(chunk_id)
         return row.text if row is not None else None
 
-    def _rows(self, ids: Sequence[str]) -> dict[str, _Row]:
-        """The collection's entries (text, metadata) for `ids`; absent ids are left out."""
-        rows: dict[str, _Row] = {}
-        for start in range(0, len(ids), _SCAN_PAGE):
-            res = self.collection.get(ids=list(ids[start : start + _SCAN_PAGE]), include=["documents", "metadatas"])
-            rows.update(self._to_rows(res))
-        return rows
-
-    @staticmethod
-    def _to_rows(res: Mapping[str, Any]) -> dict[str, _Row]:
-        docs = res.get("documents") or [None] * len(res["ids"])
-        metas = res.get("metadatas") or [None] * len(res["ids"])
-        embs = res.get("embeddings")
-        embs = [None] * len(res["ids"]) if embs is None else embs
-        return {
-            cid: _Row(cid, doc, dict(meta or {}), None if emb is None else np.asarray(emb))
-            for cid, doc, meta, emb in zip(res["ids"], docs, metas, embs, strict=True)
-        }
-
-    def _scan(self, include: Sequence[str], where: Mapping[str, Any] | None = None) -> Iterator[dict[str, _Row]]:
-        """The whole collection (or the `where` part), a page at a time."""
-        offset = 0
-        while True:
-            res = self.collection.get(where=cast(Any, where), include=cast(Any, list(include)), limit=_SCAN_PAGE,
-                                      offset=offset)
-            page = self._to_rows(res)
-            if page:
-                yield page
-            if len(res["ids"]) < _SCAN_PAGE:
-                return
-            offset += len(res["ids"])
-
-    def _settle_ownership(self, docs: Mapping[str, list[str]], present: Mapping[str, _Row]) -> int:
+    def _settle_ownership(self, docs: Mapping[str, list[str]], present: Mapping[str, vectordb.Row]) -> int:
         """Claim present chunks for the documents that contain them, release (and delete) chunks an
         updated document no longer contains; returns how many chunks were deleted."""
         owners: dict[str, list[str]] = {cid: _owners(r.metadata) for cid, r in self._owned_by(list(docs)).items()}
@@ -435,21 +413,21 @@ class Ingestor:
         released = [cid for cid, o in owners.items() if not o]
         changed = [cid for cid, o in owners.items() if o and o != before[cid]]
         if changed:
-            self.collection.update(ids=changed, metadatas=cast(Any, [_ownership(owners[cid]) for cid in changed]))
+            vectordb.update_metadata(self.collection, changed, [_ownership(owners[cid]) for cid in changed])
         return self._remove(released)
 
-    def _owned_by(self, doc_ids: Sequence[str]) -> dict[str, _Row]:
+    def _owned_by(self, doc_ids: Sequence[str]) -> dict[str, vectordb.Row]:
         """Chunks (any owner position) of the given documents."""
         if not doc_ids:
             return {}
         where = {"$or": [{DOC_ID_KEY: {"$in": list(doc_ids)}}, {OWNER_COUNT_KEY: {"$gt": 1}}]}
         wanted = set(doc_ids)
-        out: dict[str, _Row] = {}
-        for page in self._scan(["metadatas"], where):
+        out: dict[str, vectordb.Row] = {}
+        for page in vectordb.scan(self.collection, ["metadatas"], where):
             out.update({cid: r for cid, r in page.items() if wanted.intersection(_owners(r.metadata))})
         return out
 
-    def _incomplete(self, present: Mapping[str, _Row]) -> list[_Chunk]:
+    def _incomplete(self, present: Mapping[str, vectordb.Row]) -> list[_Chunk]:
         """Present chunks lacking a blob (a crash between a delete and its cleanup, or manual
         deletion): their text comes back from the collection."""
         variants: tuple[Variant, ...] = ("independent", "fused") if self.config.fuse else ("independent",)
@@ -495,7 +473,7 @@ class Ingestor:
         new_ids = [c.chunk_id for c in new]
         new_set = set(new_ids)
         affected: list[str] = []
-        for page in self._scan(["embeddings", "metadatas"]):
+        for page in vectordb.scan(self.collection, ["embeddings", "metadatas"]):
             rows = [r for r in page.values() if r.chunk_id not in new_set and r.embedding is not None]
             if not rows:
                 continue
@@ -511,9 +489,7 @@ class Ingestor:
         return affected
 
     def _mark_pending(self, ids: Sequence[str]) -> None:
-        for start in range(0, len(ids), _SCAN_PAGE):
-            batch = list(ids[start : start + _SCAN_PAGE])
-            self.collection.update(ids=batch, metadatas=cast(Any, [{PENDING_KEY: True}] * len(batch)))
+        vectordb.update_metadata(self.collection, ids, [{PENDING_KEY: True}] * len(ids))
 
     def _add_new(self, new: Sequence[_Chunk], progress: bool) -> None:
         """Fused caches of new chunks, then their Chroma entries, a batch at a time."""
@@ -548,8 +524,8 @@ class Ingestor:
         """Re-fuse every chunk marked pending with its current top-n neighbours; returns how many."""
         if not self.config.fuse:
             return 0
-        pending: dict[str, _Row] = {}
-        for page in self._scan(["documents", "metadatas", "embeddings"], {PENDING_KEY: True}):
+        pending: dict[str, vectordb.Row] = {}
+        for page in vectordb.scan(self.collection, ["documents", "metadatas", "embeddings"], {PENDING_KEY: True}):
             pending.update(page)
         done = 0
         for row in tqdm(pending.values(), desc="re-fused caches", unit="chunk", disable=not progress):
@@ -561,8 +537,7 @@ class Ingestor:
                 self.collection, _normalise([row.embedding])[0].tolist(), self.config.neighbors,
                 exclude_ids=[row.chunk_id])), self.config.neighbors)
             self.store.put(row.chunk_id, self.builder.fused([(row.chunk_id, row.text, neighbours)])[0])
-            self.collection.update(ids=[row.chunk_id],
-                                   metadatas=cast(Any, [_fusion_meta(neighbours, self.config.neighbors)]))
+            vectordb.update_metadata(self.collection, [row.chunk_id], [_fusion_meta(neighbours, self.config.neighbors)])
             done += 1
         return done
 
@@ -582,7 +557,7 @@ class Ingestor:
             else:
                 released.append(cid)
         if changed:
-            self.collection.update(ids=list(changed), metadatas=cast(Any, [_ownership(o) for o in changed.values()]))
+            vectordb.update_metadata(self.collection, list(changed), [_ownership(o) for o in changed.values()])
         removed = self._remove(released)
         self.refuse_pending()
         self._sweep_orphans()
@@ -597,7 +572,7 @@ class Ingestor:
         if self.config.fuse:
             dependants = [
                 cid
-                for page in self._scan(["metadatas"])
+                for page in vectordb.scan(self.collection, ["metadatas"])
                 for cid, row in page.items()
                 if cid not in gone and gone.intersection(_neighbour_ids(row.metadata))
             ]
@@ -624,19 +599,23 @@ class Ingestor:
     def verify(self, *, repair: bool = True) -> VerifyReport:
         """Check every Chroma entry against the store (loading each blob) and vice versa; with
         `repair`, delete orphans, drop text-less entries, recompute bad caches, re-fuse stale ones."""
+        problems = self.find_problems()
+        if repair and not problems.report.ok:
+            self.repair(problems)
+        return problems.report
+
+    def find_problems(self) -> Problems:
+        """Read-only: what disagrees between the collection and the store (every blob is loaded)."""
         report = VerifyReport()
         stored = self.store.list_ids()
         report.blobs = len(stored)
-        rows: dict[str, _Row] = {}
-        for page in self._scan(["documents", "metadatas"]):
+        rows: dict[str, vectordb.Row] = {}
+        for page in vectordb.scan(self.collection, ["documents", "metadatas"]):
             rows.update(page)
         report.chunks = len(rows)
-        orphans = sorted(stored - set(rows))
-        textless = [cid for cid, r in rows.items() if not r.text]
-        report.orphans, report.textless = len(orphans), len(textless)
-
-        bad_independent: list[_Chunk] = []
-        bad_fused: list[str] = []
+        problems = Problems(report, orphans=sorted(stored - set(rows)),
+                            textless=[cid for cid, r in rows.items() if not r.text])
+        report.orphans, report.textless = len(problems.orphans), len(problems.textless)
         for cid, row in rows.items():
             if not row.text:
                 continue
@@ -647,28 +626,29 @@ class Ingestor:
                     continue
                 setattr(report, problem, getattr(report, problem) + 1)
                 if variant == "independent":
-                    bad_independent.append(_Chunk(cid, row.text, "", 0, {}))
+                    problems.bad_independent.append((cid, row.text))
                 else:
-                    bad_fused.append(cid)
-        stale = [
+                    problems.bad_fused.append(cid)
+        problems.stale = [
             cid for cid, r in rows.items()
-            if self.config.fuse and r.text and cid not in bad_fused
+            if self.config.fuse and r.text and cid not in problems.bad_fused
             and (r.metadata.get(PENDING_KEY) or any(n not in rows for n in _neighbour_ids(r.metadata)))
         ]
-        report.stale = len(stale)
-        if not repair or report.ok:
-            return report
+        report.stale = len(problems.stale)
+        return problems
 
+    def repair(self, problems: Problems) -> None:
+        """Fix what `find_problems` found; records the work in `problems.report`."""
+        report = problems.report
         prefills = self.prefills
-        for cid in orphans:
+        for cid in problems.orphans:
             self.store.delete(cid)
-        report.removed = self._remove(textless)
-        self._independent(bad_independent, progress=False)
-        self._mark_pending(bad_fused + stale)
+        report.removed = self._remove(problems.textless)
+        self._independent([_Chunk(cid, text, "", 0, {}) for cid, text in problems.bad_independent], progress=False)
+        self._mark_pending(problems.bad_fused + problems.stale)
         self.refuse_pending()
         report.repaired = True
         report.recomputed = self.prefills - prefills
-        return report
 
     def _check_blob(self, cid: str, variant: Variant, expected: torch.Tensor) -> str | None:
         """None if the blob is good, else the VerifyReport field that counts its problem."""
@@ -694,5 +674,6 @@ __all__ = [
     "IngestReport",
     "Ingestor",
     "NeighbourOrder",
+    "Problems",
     "VerifyReport",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +21,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 import chromadb
+import numpy as np
 from chromadb.api.collection_configuration import CreateCollectionConfiguration
 from chromadb.api.models.Collection import Collection
 from chromadb.api.types import EmbeddingFunction
@@ -43,6 +44,8 @@ DOC_ID_KEY = "doc_id"
 EMBEDDING_META_KEY = "fusionrag_embedding"
 
 _BATCH = 512
+# NOTE: entries read (or metadata-updated) per Chroma call when paging through a collection.
+_SCAN_PAGE = 1024
 # NOTE: Chroma's own rule for collection names (checked here so the error names the config field).
 _COLLECTION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,510}[A-Za-z0-9]")
 
@@ -401,6 +404,80 @@ def delete_ids(collection: Collection, ids: Iterable[str]) -> None:
     # NOTE: Chroma rejects delete(ids=[]); the loop makes an empty `ids` a no-op instead.
     for start in range(0, len(wanted), _BATCH):
         collection.delete(ids=wanted[start : start + _BATCH])
+
+
+@dataclass
+class Row:
+    """A chunk as the collection holds it (the fields a read did not include are None / empty).
+
+    Attributes:
+        chunk_id: the chunk's id.
+        text: its text.
+        metadata: its metadata (bookkeeping keys included).
+        embedding: `[d]` its stored embedding.
+    """
+
+    chunk_id: str
+    text: str | None
+    metadata: dict[str, Any]
+    embedding: np.ndarray | None = None
+
+
+Include = Sequence[str]
+"""What a read returns besides ids: any of "documents", "metadatas", "embeddings"."""
+
+
+def _to_rows(res: Mapping[str, Any]) -> dict[str, Row]:
+    ids = res["ids"]
+    docs = res.get("documents") or [None] * len(ids)
+    metas = res.get("metadatas") or [None] * len(ids)
+    embs = res.get("embeddings")
+    embs = [None] * len(ids) if embs is None else embs
+    return {
+        cid: Row(cid, doc, dict(meta or {}), None if emb is None else np.asarray(emb))
+        for cid, doc, meta, emb in zip(ids, docs, metas, embs, strict=True)
+    }
+
+
+def get_rows(
+    collection: Collection, ids: Sequence[str], include: Include = ("documents", "metadatas")
+) -> dict[str, Row]:
+    """The entries of `ids`, a page of ids per call; ids not in the collection are left out."""
+    rows: dict[str, Row] = {}
+    for start in range(0, len(ids), _SCAN_PAGE):
+        res = collection.get(ids=list(ids[start : start + _SCAN_PAGE]), include=cast(Any, list(include)))
+        rows.update(_to_rows(res))
+    return rows
+
+
+def scan(
+    collection: Collection, include: Include, where: Mapping[str, Any] | None = None
+) -> Iterator[dict[str, Row]]:
+    """The whole collection (or the entries matching `where`), a page at a time."""
+    offset = 0
+    while True:
+        res = collection.get(where=cast(Any, where), include=cast(Any, list(include)), limit=_SCAN_PAGE,
+                             offset=offset)
+        page = _to_rows(res)
+        if page:
+            yield page
+        if len(res["ids"]) < _SCAN_PAGE:
+            return
+        offset += len(res["ids"])
+
+
+def update_metadata(collection: Collection, ids: Sequence[str], metadatas: Sequence[Mapping[str, Primitive]]) -> None:
+    """Merge `metadatas` into the entries of `ids` (keys not given are kept), a page per call.
+
+    Raises:
+        InvalidRequestError: `ids` and `metadatas` differ in length, or a value is not a primitive.
+    """
+    if len(ids) != len(metadatas):
+        raise InvalidRequestError(f"update_metadata got {len(ids)} ids and {len(metadatas)} metadatas")
+    checked = [check_metadata(f"chunk {i!r}", m) for i, m in zip(ids, metadatas, strict=True)]
+    for start in range(0, len(ids), _SCAN_PAGE):
+        sl = slice(start, start + _SCAN_PAGE)
+        collection.update(ids=list(ids[sl]), metadatas=cast(Any, checked[sl]))
 
 
 def all_ids(collection: Collection) -> set[str]:

@@ -240,6 +240,22 @@ def test_all_ids_and_delete_ids_paginate(tmp_path: Path, monkeypatch: pytest.Mon
     assert all_ids(col) == set(ids[7:])
 
 
+def test_rows_scan_and_metadata_updates_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vectordb, "_SCAN_PAGE", 3)  # 10 chunks: pages of 3, 3, 3, 1
+    col = open_collection(VectorDBConfig(path=str(tmp_path)), HashEmbedding())
+    ids = [f"c{i}" for i in range(10)]
+    add_chunks(col, ids, [f"chunk number {i}" for i in range(10)], [{"doc_id": "d", "n": i} for i in range(10)])
+    vectordb.update_metadata(col, ids[:7], [{"pending": True}] * 7)
+    rows = vectordb.get_rows(col, [*ids, "absent"])
+    assert set(rows) == set(ids) and rows["c4"].text == "chunk number 4" and rows["c4"].embedding is None
+    assert rows["c4"].metadata == {"doc_id": "d", "n": 4, "pending": True}  # merged, not replaced
+    pages = list(vectordb.scan(col, ["embeddings"], where={"pending": True}))
+    assert [len(p) for p in pages] == [3, 3, 1]
+    assert all(r.embedding is not None and r.text is None for p in pages for r in p.values())
+    with pytest.raises(InvalidRequestError, match="str/int/float/bool"):
+        vectordb.update_metadata(col, ["c0"], [{"x": math.inf}])
+
+
 def test_config_validation() -> None:
     with pytest.raises(InvalidRequestError, match="collection name"):
         VectorDBConfig(collection="x")
