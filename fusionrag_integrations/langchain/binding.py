@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -20,8 +19,7 @@ from langchain_core.language_models import LangSmithParams
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from typing_extensions import Self
 
-from fusionrag_core.decode import SamplingConfig
-from fusionrag_core.engine import FusionEngine, Generation, GenerationStream, LearnFn
+from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.kv import Variant
@@ -30,13 +28,12 @@ from fusionrag_core.model import DEFAULT_MODEL, check_device
 from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, kv_dir, learned_dir
 from fusionrag_core.prompt import FusionPrompt
 from fusionrag_core.reuse import ReuseMonitor, ReuseSources
-from fusionrag_core.select import SelectConfig, get_selector
 from fusionrag_core.stitch import Stitched
 from fusionrag_core.store import DiskKVStore, KVStore
 from fusionrag_integrations.langchain.arguments import normalize_arguments
-from fusionrag_integrations.langchain.messages import clean_output
 from fusionrag_integrations.langchain.observe import retrieved_texts
 from fusionrag_integrations.langchain.structured import response_grammar
+from fusionrag_integrations.request import RequestOptions, generation_stats, request_options, text_pieces
 
 PROVIDER = "fusionrag"
 
@@ -45,33 +42,6 @@ CALL_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p"
                           "selector", "ratio", "variant"})
 # Per-call HF names accepted for the same options (`invoke(..., max_new_tokens=8)`).
 CALL_ALIASES = {"max_new_tokens": "max_tokens"}
-
-
-@dataclass(frozen=True)
-class RequestOptions:
-    """Everything one request passes to the engine besides its prompt.
-
-    Attributes:
-        sampling: max_new_tokens, temperature, top_p, seed and stop strings.
-        selector: which chunk tokens to recompute; None means the engine's configured default.
-        ratio: recompute ratio; None means the engine's configured default.
-        variant: preferred stored cache variant; None means the engine's configured default.
-        full_attention: run the plain-prefill baseline instead (no cache is reused).
-    """
-
-    sampling: SamplingConfig
-    selector: str | None
-    ratio: float | None
-    variant: Variant | None
-    full_attention: bool = False
-
-    def stream(self, engine: FusionEngine, prompt: FusionPrompt, *, store: KVStore | None = None,
-               learn: LearnFn | None = None) -> GenerationStream:
-        """Start generating `prompt` on `engine` with these options, reading caches from `store`."""
-        if self.full_attention:
-            return engine.full_attention(prompt, sampling=self.sampling)
-        return engine.stream(prompt, sampling=self.sampling, selector=self.selector, ratio=self.ratio,
-                             variant=self.variant, store=store, learn=learn)
 
 
 class FusionRAGModelFields(BaseModel):
@@ -281,24 +251,10 @@ class FusionRAGModelFields(BaseModel):
                 "(chunk caches are found by the chunk texts in the prompt, or by format_docs marks)"
             )
         value = {name: overrides.get(name, getattr(self, name)) for name in CALL_OPTIONS}
-        sampling = SamplingConfig(
-            max_new_tokens=value["max_tokens"],
-            temperature=value["temperature"],
-            top_p=value["top_p"],
-            top_k=value["top_k"],
-            min_p=value["min_p"],
-            repetition_penalty=value["repetition_penalty"],
-            seed=value["seed"],
-            stop=tuple(stop if stop is not None else self.stop or ()),
-            grammar=response_grammar(response_format) if response_format is not None else None,
-        )
-        if value["selector"] is not None:
-            get_selector(value["selector"])
-        if value["ratio"] is not None:
-            SelectConfig(ratio=value["ratio"])
-        if value["variant"] not in (None, "fused", "independent"):
-            raise InvalidRequestError(f"unknown cache variant {value['variant']!r}; use 'fused' or 'independent'")
-        return RequestOptions(sampling, value["selector"], value["ratio"], value["variant"], self.full_attention)
+        value["max_new_tokens"] = value.pop("max_tokens")  # NOTE: LangChain's name for SamplingConfig's.
+        value["stop"] = stop if stop is not None else self.stop or ()
+        value["grammar"] = response_grammar(response_format) if response_format is not None else None
+        return request_options(value, full_attention=self.full_attention)
 
     def reuse_sources(self) -> ReuseSources:
         """Where this request's caches come from: the KV store (ingested), then learned caches."""
@@ -340,14 +296,10 @@ class FusionRAGModelFields(BaseModel):
                 learned.learn(request, st)
 
         stream = options.stream(engine, prompt, store=sources, learn=learn if self.learn else None)
-        for piece in stream:
-            text = clean_output(piece)
-            if text:
-                yield text
-        assert stream.result is not None  # NOTE: set by GenerationStream once exhausted.
-        if not options.full_attention:
-            self._reuse_monitor().check(engine, prompt, stream.result, sources)
-        yield stream.result
+        for piece in text_pieces(stream):
+            if isinstance(piece, Generation) and not options.full_attention:
+                self._reuse_monitor().check(engine, prompt, piece, sources)
+            yield piece
 
     def _reuse_monitor(self) -> ReuseMonitor:
         with self._load_lock:
@@ -400,7 +352,6 @@ def generation_metadata(generation: Generation, model_name: str) -> dict[str, An
     return {
         "model_name": model_name,
         "model_provider": PROVIDER,
-        **generation.stats(),
+        **generation_stats(generation),
         "cache_miss_ids": sorted(generation.cache_misses),
-        "cache_miss_reasons": dict(generation.cache_misses),
     }

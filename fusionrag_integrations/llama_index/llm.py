@@ -29,23 +29,21 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.prompt import FusionPrompt, clean_output
 from fusionrag_core.store import KVStore, open_store
 from fusionrag_integrations.llama_index.aio import call_in_thread, iterate_in_thread
+from fusionrag_integrations.request import check_call_options, generation_stats, request_options, text_pieces
 
 # Per-call keyword arguments `complete`/`chat` accept (they override the LLM's fields for one call).
 GENERATION_KWARGS = frozenset({"max_new_tokens", "temperature", "top_p", "seed", "stop", "selector", "ratio"})
 
 
 def generation_metadata(generation: Generation) -> dict[str, Any]:
-    """What responses report about a generation: `Generation.stats()` plus the per-chunk cache misses.
-
-    NOTE: JSON-friendly values only (no tensors): this travels in framework metadata.
-    """
-    return {**generation.stats(), "cache_miss_reasons": dict(generation.cache_misses)}
+    """What responses report about a generation: `Generation.stats()` plus the per-chunk cache misses
+    (`fusionrag_integrations.request.generation_stats`, shared with the LangChain models)."""
+    return generation_stats(generation)
 
 
 class FusionRAGLLM(CustomLLM):
@@ -142,21 +140,9 @@ class FusionRAGLLM(CustomLLM):
         Raises:
             InvalidRequestError: an unknown keyword argument.
         """
-        unknown = sorted(set(overrides) - GENERATION_KWARGS)
-        if unknown:
-            raise InvalidRequestError(
-                f"FusionRAGLLM does not accept {', '.join(unknown)}; per-call options are {sorted(GENERATION_KWARGS)}"
-            )
-        settings = {**self.model_dump(include=set(GENERATION_KWARGS)), **overrides}
-        sampling = SamplingConfig(
-            max_new_tokens=settings["max_new_tokens"],
-            temperature=settings["temperature"],
-            top_p=settings["top_p"],
-            seed=settings["seed"],
-            stop=tuple(settings["stop"]),
-        )
-        return self.engine.stream(prompt, sampling=sampling, selector=settings["selector"], ratio=settings["ratio"],
-                                  store=store if store is not None else self.kv_store)
+        check_call_options(overrides, GENERATION_KWARGS, owner="FusionRAGLLM")
+        options = request_options({**{k: getattr(self, k) for k in GENERATION_KWARGS}, **overrides})
+        return options.stream(self.engine, prompt, store=store if store is not None else self.kv_store)
 
     # ---- completion ------------------------------------------------------------------------------
     def _completion_prompt(self, prompt: str, formatted: bool) -> FusionPrompt:
@@ -263,12 +249,12 @@ def _chat_responses(stream: GenerationStream) -> ChatResponseGen:
 def _accumulate(stream: GenerationStream) -> Iterator[tuple[str, str, dict[str, Any]]]:
     """`(text so far, delta, metadata)` per piece, then a final `(text, "", stats)` once the stream ends."""
     text = ""
-    for piece in stream:
-        delta = clean_output(piece)
-        text += delta
-        yield text, delta, {}
-    assert stream.result is not None  # NOTE: set by GenerationStream when its pieces are exhausted.
-    yield text, "", generation_metadata(stream.result)
+    for piece in text_pieces(stream):
+        if isinstance(piece, Generation):
+            yield text, "", generation_metadata(piece)
+        else:
+            text += piece
+            yield text, piece, {}
 
 
 __all__ = ["GENERATION_KWARGS", "FusionRAGLLM", "clean_output", "generation_metadata"]
