@@ -223,3 +223,52 @@ def tokenize_template(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int
         return list(tokenizer(text, add_special_tokens=False, split_special_tokens=False)["input_ids"])
     return list(pair[1].encode(text, add_special_tokens=False).ids)
 
+
+# ---- torch attention kernels that also return the log-sum-exp (private ops: their names move) --------
+def sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention and its per-row log-sum-exp, for merging attention over disjoint key sets.
+
+    Args:
+        q: `[B, H, M, D]`; k, v: `[B, H, S, D]` (as many heads as `q`: fold GQA groups into `M`).
+        bias: additive mask broadcastable to `[B, H, M, S]` in `q`'s dtype (0 / -inf), or None.
+        scale: softmax scale.
+
+    Returns:
+        `[B, H, M, D]` output and `[B, H, M]` fp32 log-sum-exp. NOTE: rows whose keys are all
+        masked come back with undefined values (the CPU kernel returns 0 and lse 0): callers mask them.
+    """
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
+        return out, lse
+    if q.device.type == "cuda":
+        if bias is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)
+            return res[0], res[1]
+        if bias is not None:
+            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, scale=scale)
+        return out, lse[..., : q.shape[2]]  # NOTE: the kernel pads the lse's row axis
+    return sdpa_math_with_lse(q, k, v, bias, scale)
+
+
+def sdpa_math_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sdpa_with_lse` by explicit scores (any device; the reference the kernels are tested against)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H, M, S]
+    if bias is not None:
+        scores = scores + bias.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    return torch.matmul(probs, v.float()).to(q.dtype), lse
+
+
+def aligned_bias(bias: torch.Tensor) -> torch.Tensor:
+    """`bias` `[..., W]` in memory whose row stride is a multiple of 16 (CUDA's memory-efficient
+    kernel refuses others); on other devices `bias` itself."""
+    if bias.device.type != "cuda" or bias.shape[-1] % 16 == 0:
+        return bias
+    width = bias.shape[-1]
+    padded = bias.new_full((*bias.shape[:-1], -(-width // 16) * 16), float("-inf"))
+    padded[..., :width] = bias
+    return padded[..., :width]

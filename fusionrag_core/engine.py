@@ -457,9 +457,7 @@ class FusionEngine:
             st = stitch(self.decoder, flat, None, lookup, extra_capacity=sampling.max_new_tokens)
         budget = select_config.budget(st.num_reused_tokens)
         selected = select_fn(st, budget, select_config)
-        out, recomputed = recompute(st, selected)
-        assert out.logits is not None
-        first_logits = out.logits
+        first_logits, recomputed = recompute(st, selected)
         sampler = Sampler(sampling, prompt.token_ids(), tokenizer=self.tokenizer, eos_ids=self.eos_ids)
         token = sampler(first_logits)
         ttft = time.perf_counter() - start
@@ -482,9 +480,7 @@ class FusionEngine:
             if len(ids) >= sampling.max_new_tokens:
                 break
             slot = st.buf.reserve(torch.tensor([position], device=self.device), valid=True)
-            step = self.decoder.forward(st.buf, torch.tensor([token], device=self.device), slot)
-            assert step.logits is not None
-            token = sampler(step.logits)
+            token = sampler(self.decoder.decode_step(st.buf, token, slot))
             position += 1
         tail = assembler.flush()
         if tail:

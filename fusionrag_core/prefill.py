@@ -16,7 +16,7 @@ def prefill_prefix(decoder: Decoder, prefix_ids: torch.Tensor, fingerprint: str)
     """The exact cache of the system prefix `[P]` at positions `0..P-1`."""
     buf = decoder.new_buffer(int(prefix_ids.shape[0]))
     slots = buf.reserve(torch.arange(prefix_ids.shape[0], device=decoder.device), valid=False)
-    decoder.forward(buf, prefix_ids, slots, logits=False)
+    decoder.fill(buf, prefix_ids, slots)
     keys, values = buf.slice(slots)
     return ChunkKV(prefix_ids.cpu(), keys, values, buf.positions[slots].cpu(), fingerprint, "independent")
 
@@ -49,7 +49,7 @@ def prefill_chunk(
     for n in neighbours:
         append_shifted(decoder, buf, n)
     slots = buf.reserve(torch.arange(context, context + token_ids.shape[0], device=decoder.device), valid=False)
-    decoder.forward(buf, token_ids, slots, logits=False)
+    decoder.fill(buf, token_ids, slots)
     keys, values = buf.slice(slots)  # [L, H, T, D]
     return ChunkKV(token_ids.cpu().to(torch.int64), keys, values, buf.positions[slots].cpu(), fingerprint,
                    "fused" if neighbours else "independent")
@@ -67,7 +67,7 @@ def prefill_chunks(
     Each chunk gets its own run of slots in one buffer, laid out as `prefill_chunk` lays out a
     single one (prefix copy, its shifted neighbours, the chunk), with positions starting at 0 for
     each; the pass runs the linear layers over all chunks' tokens at once, and attention per chunk
-    over its own slots only (`Decoder.forward(segments=...)`), so no chunk sees another's context.
+    over its own slots only (`Decoder.fill(seq_ids=...)`), so no chunk sees another's context.
 
     Args:
         token_ids: per chunk, `[T_i]` int64 ids.
@@ -89,8 +89,7 @@ def prefill_chunks(
              for ids, group in zip(token_ids, neighbours, strict=True)]
     buf = decoder.new_buffer(sum(sizes))
     chunk_slots: list[torch.Tensor] = []
-    segments: list[tuple[int, int, int, int]] = []
-    row = 0
+    seq_ids: list[torch.Tensor] = []  # per chunk, its sequence id on each of its slots
     for ids, group in zip(token_ids, neighbours, strict=True):
         first = buf.length
         if prefix is not None:
@@ -100,9 +99,8 @@ def prefill_chunks(
         context = buf.length - first
         slots = buf.reserve(torch.arange(context, context + ids.shape[0], device=decoder.device), valid=False)
         chunk_slots.append(slots)
-        segments.append((row, row + int(ids.shape[0]), first, buf.length))
-        row += int(ids.shape[0])
-    decoder.forward(buf, torch.cat(list(token_ids)), torch.cat(chunk_slots), logits=False, segments=segments)
+        seq_ids.append(torch.full((buf.length - first,), len(seq_ids), dtype=torch.int64))
+    decoder.fill(buf, torch.cat(list(token_ids)), torch.cat(chunk_slots), seq_ids=torch.cat(seq_ids))
     out = []
     for ids, group, slots in zip(token_ids, neighbours, chunk_slots, strict=True):
         keys, values = buf.slice(slots)  # [L, H, T, D]

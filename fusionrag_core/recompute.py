@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from fusionrag_core.forward import PassOutput
 from fusionrag_core.stitch import Stitched
 
 
-def recompute(st: Stitched, selected: torch.Tensor) -> tuple[PassOutput, int]:
-    """Run the sparse pass; returns the pass output (last-position logits) and tokens recomputed.
+def recompute(st: Stitched, selected: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Run the sparse pass; returns the last position's `[V]` fp32 logits and the tokens recomputed.
 
     Args:
         st: the stitched request.
@@ -26,6 +25,6 @@ def recompute(st: Stitched, selected: torch.Tensor) -> tuple[PassOutput, int]:
     """
     context = torch.sort(torch.cat([selected.to(st.forced_slots.device), st.forced_slots])).values  # [K + F]
     slots = torch.cat([context, st.question_slots])  # [K + F + Q]
-    out = st.decoder.forward(st.buf, st.slot_tokens[slots], slots, logits=True)
+    logits = st.decoder.prefill(st.buf, st.slot_tokens[slots], slots)
     st.buf.valid[slots] = True
-    return out, int(context.shape[0])
+    return logits, int(context.shape[0])

@@ -116,10 +116,8 @@ def question_attention(st: Stitched, depths: tuple[float, ...]) -> torch.Tensor:
     """
     slots = st.reusable_slots
     layers = _probe_layers(st, depths)
-    out = st.decoder.forward(st.buf, st.question_ids, st.question_slots, logits=False, attention_from=0,
-                             attention_layers=layers)
-    assert out.attention is not None
-    mass = out.attention[:, slots]  # [A, R]
+    masses = st.decoder.probe(st.buf, st.question_ids, st.question_slots, layers=layers)
+    mass = torch.stack([masses[layer] for layer in layers])[:, slots]  # [A, R]
     mass = mass / mass.sum(dim=1, keepdim=True).clamp_min(1e-30)
     return mass.mean(dim=0)
 
@@ -181,9 +179,7 @@ def select_kv_deviation(st: Stitched, budget: int, config: SelectConfig) -> torc
     if not 0 <= layer < st.decoder.num_layers:
         raise InvalidRequestError(f"kv_deviation_layer {layer} out of range for {st.decoder.num_layers} layers")
     context = torch.sort(torch.cat([slots, st.forced_slots])).values
-    out = st.decoder.forward(st.buf, st.slot_tokens[context], context, logits=False, probe_layer=layer)
-    assert out.probe_keys is not None
-    fresh = out.probe_keys  # [H, N, D], aligned with `context`
+    fresh = st.decoder.probe_keys(st.buf, st.slot_tokens[context], context, layer)  # [H, N, D], aligned with `context`
     reused = torch.isin(context, slots)
     cached = st.buf.keys[layer][:, context[reused]]  # [H, R, D]
     deviation = (fresh[:, reused].float() - cached.float()).pow(2).sum(dim=(0, 2))  # [R]

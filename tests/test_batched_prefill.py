@@ -45,13 +45,6 @@ def test_packed_prefill_equals_one_at_a_time(engine: FusionEngine) -> None:
     assert not torch.allclose(many[0].keys, engine.chunk_cache(chunks[0]).keys, atol=1e-4)
 
 
-def test_packed_pass_rejects_logits(engine: FusionEngine) -> None:
-    buf = engine.decoder.new_buffer(4)
-    slots = buf.reserve(torch.arange(4), valid=False)
-    with pytest.raises(ValueError, match="packed pass"):
-        engine.decoder.forward(buf, _ids(4, 0), slots, segments=[(0, 4, 0, 4)])
-
-
 @pytest.mark.parametrize(("batch", "tokens", "passes"), [(1, 10**6, 6), (4, 10**6, 2), (8, 10**6, 1), (8, 1, 6)])
 def test_builder_packs_by_chunks_and_tokens(engine: FusionEngine, tmp_path, batch: int, tokens: int,  # type: ignore[no-untyped-def]
                                             passes: int) -> None:

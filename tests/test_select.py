@@ -26,10 +26,8 @@ def engine(request: pytest.FixtureRequest, smollm_tokenizer: PreTrainedTokenizer
 
 
 def _probe(st: Stitched, layers: tuple[int, ...]) -> torch.Tensor:
-    out = st.decoder.forward(st.buf, st.question_ids, st.question_slots, logits=False, attention_from=0,
-                             attention_layers=layers)
-    assert out.attention is not None
-    return out.attention
+    masses = st.decoder.probe(st.buf, st.question_ids, st.question_slots, layers=layers)
+    return torch.stack([masses[layer] for layer in layers])
 
 
 def test_attention_at_several_layers_matches_transformers(engine: FusionEngine) -> None:

@@ -1,0 +1,196 @@
+"""Sparse-query attention equals masked SDPA over every key, and costs what it computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from fusionrag_core import attention, compat
+from fusionrag_core.attention import MaskSpec
+from fusionrag_core.forward import Decoder
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _spec(s: int, queries: torch.Tensor, *, window: int | None = None, holes: tuple[tuple[int, int], ...] = (),
+          seq: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> MaskSpec:
+    k_pos = torch.arange(s) if positions is None else positions
+    valid = torch.ones(s, dtype=torch.bool)
+    for a, b in holes:
+        valid[a:b] = False
+    valid[queries] = True  # a pass's own slots are written before its attention
+    return MaskSpec(k_pos[queries], k_pos, valid, window,
+                    None if seq is None else seq[queries], seq)
+
+
+def _qkv(n: int, s: int, heads: int, kv_heads: int, d: int = 16) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(n * 1000 + s)
+    return (torch.randn(heads, n, d, generator=g), torch.randn(kv_heads, s, d, generator=g),
+            torch.randn(kv_heads, s, d, generator=g))
+
+
+def _scattered(s: int, n: int, tail: int, seed: int) -> torch.Tensor:
+    """`n` scattered slots of the first `s - tail` plus the last `tail` slots (a recompute pass)."""
+    g = torch.Generator().manual_seed(seed)
+    picked = torch.randperm(s - tail, generator=g)[:n]
+    return torch.cat([torch.sort(picked).values, torch.arange(s - tail, s)])
+
+
+@pytest.mark.parametrize("window", [None, 16, 50])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 2)])
+@pytest.mark.parametrize("holes", [(), ((40, 70), (200, 201))])
+def test_planned_attention_equals_masked_sdpa(window: int | None, heads: int, kv_heads: int,
+                                             holes: tuple[tuple[int, int], ...]) -> None:
+    S = 300
+    for seed, queries in enumerate([_scattered(S, 45, 12, 0), _scattered(S, 0, 30, 1), torch.tensor([S - 1]),
+                                    _scattered(S, 150, 0, 2), torch.arange(S)]):
+        spec = _spec(S, queries, window=window, holes=holes)
+        q, k, v = _qkv(int(queries.shape[0]), S, heads, kv_heads)
+        p = attention.plan(spec, group=heads // kv_heads, dtype=q.dtype, block_rows=8)
+        got = attention.attend(q, k, v, p, scale=0.25)
+        want = attention.reference(q, k, v, spec, scale=0.25)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (seed, p.kind, (got - want).abs().max())
+
+
+def test_plan_kinds() -> None:
+    S = 64
+    causal = attention.plan(_spec(S, torch.arange(S)), group=1, dtype=torch.float32)
+    assert causal.kind == "causal"
+    windowed = attention.plan(_spec(S, torch.arange(S), window=8), group=1, dtype=torch.float32)
+    assert windowed.kind == "blocks"
+    decode = attention.plan(_spec(S, torch.tensor([S - 1])), group=1, dtype=torch.float32)
+    assert decode.kind == "blocks" and decode.tail is None and decode.blocks[0].body == ((0, S),)
+    shuffled = torch.randperm(S, generator=torch.Generator().manual_seed(0))
+    spec = _spec(S, torch.tensor([3, 9]), positions=shuffled)
+    dense = attention.plan(spec, group=1, dtype=torch.float32)
+    assert dense.kind == "dense"  # keys out of position order: one masked call, still exact
+    q, k, v = _qkv(2, S, 2, 2)
+    assert torch.allclose(attention.attend(q, k, v, dense, scale=0.25), attention.reference(q, k, v, spec, scale=0.25))
+
+
+@pytest.mark.parametrize("window", [None, 256])
+def test_cost_follows_visible_keys(window: int | None) -> None:
+    """A recompute-shaped pass (15% scattered + a question) scores about what it may see."""
+    S = 4096
+    queries = _scattered(S, 600, 24, 3)
+    spec = _spec(S, queries, window=window)
+    p = attention.plan(spec, group=3, dtype=torch.float32)
+    visible = int(spec.allowed().sum())
+    masked_sdpa = int(queries.shape[0]) * S
+    cost = p.scores(int(queries.shape[0]), S)
+    # NOTE: sliding layers pay a relatively wider tail (both window edges move with the queries)
+    assert cost <= (1.25 if window is None else 1.8) * visible, (cost, visible)
+    assert visible < masked_sdpa / (1.8 if window is None else 10)
+
+
+def test_sequence_ids_keep_packed_sequences_apart() -> None:
+    lengths = [37, 80, 21]
+    seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    S = int(seq.shape[0])
+    for window in (None, 10):
+        spec = _spec(S, torch.arange(S), seq=seq, positions=positions, window=window)
+        allowed = spec.allowed()
+        assert not allowed[40, 10] and allowed[40, 37] and not allowed[120, 100]  # other sequences: invisible
+        q, k, v = _qkv(S, S, 4, 2)
+        p = attention.plan(spec, group=2, dtype=q.dtype, block_rows=16)
+        assert p.kind == "blocks"
+        got = attention.attend(q, k, v, p, scale=0.25)
+        assert torch.allclose(got, attention.reference(q, k, v, spec, scale=0.25), atol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_kernel_lse_matches_explicit_scores(masked: bool) -> None:
+    q, k, v = torch.randn(2, 3, 10, 16), torch.randn(2, 3, 25, 16), torch.randn(2, 3, 25, 16)
+    bias = None
+    if masked:
+        allowed = torch.rand(2, 1, 10, 25, generator=torch.Generator().manual_seed(0)) > 0.5
+        allowed[..., 0] = True
+        bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    out, lse = compat.sdpa_with_lse(q, k, v, bias, 0.3)
+    ref_out, ref_lse = compat.sdpa_math_with_lse(q, k, v, bias, 0.3)
+    assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
+
+
+def test_attention_mass_is_a_distribution_per_query_and_head() -> None:
+    S = 50
+    queries = torch.arange(40, 50)
+    spec = _spec(S, queries, holes=((5, 9),))
+    q, k, _ = _qkv(10, S, 4, 2)
+    mass = attention.attention_mass(q, k, spec, scale=0.25)
+    assert mass.shape == (S,) and torch.isclose(mass.sum(), torch.tensor(40.0))
+    assert (mass[5:9] == 0).all()
+
+
+# ---- the decoder's passes over the planned attention ------------------------------------------------
+
+SMALL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
+
+
+def _model(arch: str) -> PreTrainedModel:
+    torch.manual_seed(0)
+    if arch == "gemma3":
+        config = Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=16,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        return Gemma3ForCausalLM(config).eval()
+    return LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_sparse_recompute_of_a_filled_buffer_equals_a_plain_prefill(arch: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(attention.BLOCK_ROWS, "cpu", 8)  # many blocks, tails and window edges
+    model = _model(arch)
+    decoder = Decoder(model)
+    ids = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(1))
+    ref = compat.hf_logits(model, ids)[-1].float()
+
+    buf = decoder.new_buffer(200)
+    slots = buf.reserve(torch.arange(200), valid=False)
+    assert torch.allclose(decoder.prefill(buf, ids, slots), ref, atol=1e-4)
+
+    # fill a context, then recompute a scattered subset of it together with the last 40 tokens
+    buf = decoder.new_buffer(200)
+    context = buf.reserve(torch.arange(160), valid=False)
+    decoder.fill(buf, ids[:160], context)
+    buf.valid[context] = True
+    question = buf.reserve(torch.arange(160, 200), valid=False)
+    picked = _scattered(160, 30, 0, 4)
+    slots = torch.cat([picked, question])
+    assert torch.allclose(decoder.prefill(buf, ids[slots], slots), ref, atol=1e-4)
+
+
+def test_packed_fill_equals_separate_fills() -> None:
+    model = _model("gemma3")
+    decoder = Decoder(model)
+    a, b = torch.randint(0, 256, (30,)), torch.randint(0, 256, (45,))
+    separate = []
+    for ids in (a, b):
+        buf = decoder.new_buffer(len(ids))
+        decoder.fill(buf, ids, buf.reserve(torch.arange(len(ids)), valid=False))
+        separate.append(buf.keys.clone())
+    buf = decoder.new_buffer(75)
+    slots = torch.cat([buf.reserve(torch.arange(30), valid=False), buf.reserve(torch.arange(45), valid=False)])
+    decoder.fill(buf, torch.cat([a, b]), slots, seq_ids=torch.cat([torch.zeros(30), torch.ones(45)]).long())
+    assert torch.allclose(buf.keys[:, :, :30], separate[0], atol=1e-5)
+    assert torch.allclose(buf.keys[:, :, 30:], separate[1], atol=1e-5)
+
+
+def test_probe_reports_the_mass_at_every_layer_asked_for() -> None:
+    model = _model("llama")
+    decoder = Decoder(model)
+    ids = torch.randint(0, 256, (60,))
+    buf = decoder.new_buffer(60)
+    context = buf.reserve(torch.arange(50), valid=False)
+    decoder.fill(buf, ids[:50], context)
+    buf.valid[context] = True
+    question = buf.reserve(torch.arange(50, 60), valid=False)
+    masses = decoder.probe(buf, ids[50:], question, layers=(0, 2))
+    assert sorted(masses) == [0, 2]
+    for mass in masses.values():
+        assert mass.shape == (60,) and torch.isclose(mass.sum(), torch.tensor(4.0 * 10), atol=1e-3)
+    assert not torch.allclose(masses[0], masses[2])
+    with pytest.raises(ValueError, match="probe layers"):
+        decoder.probe(buf, ids[50:], question, layers=(3,))
