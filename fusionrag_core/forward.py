@@ -168,7 +168,7 @@ class Decoder:
             and the tokens.
         """
         if not layers or not all(0 <= layer < self.num_layers for layer in layers):
-            raise ValueError(f"probe layers must be in [0, {self.num_layers}), got {list(layers)}")
+            raise ValueError(f"attention layers {list(layers)} must be non-empty and in [0, {self.num_layers})")
         top = max(layers)
         p = self._pass(buf, slots, None)
         x = self._embed(token_ids)

@@ -192,5 +192,5 @@ def test_probe_reports_the_mass_at_every_layer_asked_for() -> None:
     for mass in masses.values():
         assert mass.shape == (60,) and torch.isclose(mass.sum(), torch.tensor(4.0 * 10), atol=1e-3)
     assert not torch.allclose(masses[0], masses[2])
-    with pytest.raises(ValueError, match="probe layers"):
+    with pytest.raises(ValueError, match="attention layers"):
         decoder.probe(buf, ids[50:], question, layers=(3,))
