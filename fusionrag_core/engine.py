@@ -15,12 +15,14 @@ from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fusionrag_core import audit as audit_lib
 from fusionrag_core import model as model_lib
+from fusionrag_core.audit import Auditor, AuditResult
 from fusionrag_core.bad_blobs import BadBlobs
 from fusionrag_core.decode import Sampler, SamplingConfig, TextAssembler
 from fusionrag_core.errors import (
@@ -65,6 +67,10 @@ class EngineConfig:
         instruction: system instruction of the canonical layout.
         prefix_cache_size: how many distinct prefixes to keep computed in memory.
         load_workers: threads that load a request's chunk caches from the store concurrently.
+        audit_rate: share of requests (evenly spread, in [0, 1]) that are also answered with full
+            attention once their answer has streamed, off the critical path; the first-token KL
+            and agreement land in `Generation.audit`, `stats()`, `FusionEngine.audit_summary()`
+            and the `fusionrag_core.audit` log (see `fusionrag_core.audit`).
     """
 
     selector: str = "query_guided"
@@ -74,10 +80,13 @@ class EngineConfig:
     instruction: str = DEFAULT_INSTRUCTION
     prefix_cache_size: int = 8
     load_workers: int = 8
+    audit_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.load_workers < 1:
             raise InvalidRequestError(f"load_workers must be >= 1, got {self.load_workers}")
+        if not 0.0 <= self.audit_rate <= 1.0:
+            raise InvalidRequestError(f"audit_rate must be in [0, 1], got {self.audit_rate}")
 
 
 @dataclass
@@ -100,6 +109,8 @@ class Generation:
         cache_misses: chunk id -> why its cache was not used (it was prefilled instead).
         cache_variants: reused chunks per cache variant; a missing fused cache falls back to the
             independent one, and this is where that shows.
+        audit: the request's quality audit against full attention (see EngineConfig.audit_rate),
+            or None when it was not audited.
     """
 
     text: str
@@ -118,6 +129,7 @@ class Generation:
     cache_variants: dict[str, int] = field(default_factory=dict)
     prefilled_tokens: int = 0
     context_tokens: int = 0
+    audit: AuditResult | None = None
 
     @property
     def recomputed_fraction(self) -> float:
@@ -149,6 +161,8 @@ class Generation:
             "cache_misses": len(self.cache_misses),
             "fused_chunks": self.cache_variants.get("fused", 0),
             "independent_chunks": self.cache_variants.get("independent", 0),
+            "audit_kl_first_token": self.audit.kl_first_token if self.audit else None,
+            "audit_first_token_agree": self.audit.first_token_agree if self.audit else None,
         }
 
 
@@ -203,6 +217,7 @@ class FusionEngine:
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         self._prefix_lock = threading.Lock()  # integrations serve requests from several threads
         self._bad_blobs = BadBlobs()
+        self.auditor = Auditor(self.config.audit_rate)
         self._loader = ThreadPoolExecutor(self.config.load_workers, thread_name_prefix="fusionrag-load")
         # NOTE: the prefix every chunk cache is computed after (see `chunk_cache`): a prompt that
         # starts with it has an exact independent cache for its first chunk.
@@ -412,7 +427,8 @@ class FusionEngine:
         lookup = self._lookup(caches, variant or self.config.cache_variant, store,
                               exact_first=exact_first)
         return GenerationStream(self._run(prompt, sampling, name, select_fn, select_config, lookup,
-                                          in_memory=caches or (), learn=learn))
+                                          in_memory=caches or (), learn=learn,
+                                          audit=self.auditor.should_audit()))
 
     def full_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None) -> GenerationStream:
         """The baseline: a plain prefill of every prompt token from position 0, no cache reused."""
@@ -443,6 +459,7 @@ class FusionEngine:
         use_prefix: bool = True,
         in_memory: Container[str] = (),
         learn: LearnFn | None = None,
+        audit: bool = False,
     ) -> Iterator[str | Generation]:
         start = time.perf_counter()
         prefilled = int(prompt.question.shape[0])
@@ -489,7 +506,7 @@ class FusionEngine:
             learn(prompt, st)  # NOTE: after decoding: what it stores never delays the answer
         reused = st.num_reused_tokens - int(selected.shape[0])
         context = prompt.num_tokens - int(prompt.prefix.shape[0]) - int(prompt.question.shape[0])
-        yield Generation(
+        generation = Generation(
             text=assembler.text,
             token_ids=ids,
             finish_reason=finish,
@@ -507,6 +524,22 @@ class FusionEngine:
             prefilled_tokens=prefilled + recomputed - int(selected.shape[0]) if use_prefix else prompt.num_tokens,
             context_tokens=context,
         )
+        if audit:  # NOTE: the answer has streamed; only the final statistics wait for the audit
+            generation.audit = self._audit(prompt, generation)
+        yield generation
+
+    def _audit(self, prompt: FusionPrompt, served: Generation) -> AuditResult:
+        """Answer `prompt` with full attention (first token only) and compare it with `served`."""
+        start = time.perf_counter()
+        reference = self.full_attention(prompt, sampling=SamplingConfig(max_new_tokens=1)).collect()
+        result = audit_lib.compare(reference.first_token_logits, served.first_token_logits, selector=served.selector,
+                                   ratio=served.ratio, seconds=time.perf_counter() - start)
+        self.auditor.record(result)
+        return result
+
+    def audit_summary(self) -> dict[str, Any]:
+        """Live audit totals over the engine's life (see `fusionrag_core.audit.Auditor.summary`)."""
+        return self.auditor.summary()
 
 
 

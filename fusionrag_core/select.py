@@ -140,15 +140,23 @@ def select_query_guided(st: Stitched, budget: int, config: SelectConfig) -> torc
 
 
 def select_query_guided_layers(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
-    """Query-guided over several layers: the question's attention at depths 1/4, 1/2, 3/4 and the
-    last layer, averaged (evidence a middle layer reads can be invisible at the last one)."""
-    return _query_guided(st, budget, config, (0.25, 0.5, 0.75, 1.0))
+    """Query-guided over several layers: the question's attention at depths 1/3, 2/3 and the last
+    layer, averaged (evidence a middle layer reads can be invisible at the last one).
+
+    Chosen on MuSiQue dev rows 20-29 (shared corpus, 80-token passages, 15%): first-token KL vs
+    full attention 0.040 (SmolLM2) / 0.042 (gemma3-270m) against the last layer's 0.042 / 0.046.
+    """
+    return _query_guided(st, budget, config, (1 / 3, 2 / 3, 1.0))
 
 
 def select_query_guided_early(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
-    """Query-guided with a cheaper probe: the question runs through the first half of the layers
-    only, and the attention at depths 1/4 and 1/2 is averaged (about half the probe's cost)."""
-    return _query_guided(st, budget, config, (0.25, 0.5))
+    """Query-guided with a cheaper probe: the question runs through the first three quarters of
+    the layers only, and their deepest one's attention ranks the tokens.
+
+    Chosen on MuSiQue dev rows 20-29 (as above): KL 0.038 / 0.044 against the last layer's 0.042 /
+    0.046 (half depth was worse on gemma3-270m: 0.059), and the probe skips a quarter of the layers.
+    """
+    return _query_guided(st, budget, config, (0.75,))
 
 
 def select_adaptive(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
