@@ -17,7 +17,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chromadb.api.models.Collection import Collection
 
@@ -32,6 +32,9 @@ from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_di
 from fusionrag_core.prompt import FusionPrompt
 from fusionrag_core.store import DiskKVStore, KVStore, StorageDType, open_store
 from fusionrag_core.vectordb import RetrievedChunk
+
+if TYPE_CHECKING:
+    from fusionrag_core.distributed import RayConfig
 
 # Collection metadata keys: what built the collection.
 MODEL_KEY = "fusionrag_model"
@@ -130,6 +133,7 @@ class FusionIndex:
         doc_ids: Sequence[str] | None = None,
         *,
         progress: bool = False,
+        ray: RayConfig | None = None,
     ) -> IngestReport:
         """Chunk, cache (independent and fused) and index documents; resumes an interrupted run.
 
@@ -138,11 +142,19 @@ class FusionIndex:
             metadatas: per document, str/int/float/bool values copied to each of its chunks.
             doc_ids: per document; default a hash of its text. An existing id is replaced.
             progress: show tqdm bars (chunks, chunks/s, ETA).
+            ray: run the prefills and embeddings on a Ray cluster (`distributed.RayConfig`); the
+                store must be one every worker reaches (a shared directory or Redis).
 
         Returns:
             What was done (new, skipped and re-fused chunks, prefills, time).
         """
-        return self.ingestor.add(texts, metadatas, doc_ids, progress=progress)
+        if ray is None:
+            return self.ingestor.add(texts, metadatas, doc_ids, progress=progress)
+        from fusionrag_core.distributed import RayIngestor
+
+        with RayIngestor(self.engine, self.collection, self.store, self.config, self.ingestor.embedding_function,
+                         ray) as ingestor:
+            return ingestor.add(texts, metadatas, doc_ids, progress=progress)
 
     def delete(self, doc_ids: Sequence[str]) -> int:
         """Remove documents (Chroma entries and every cache variant of chunks no other document

@@ -459,12 +459,16 @@ class Ingestor:
         n = self.config.neighbors
         if not new or n == 0:
             return
-        in_batch = batch_neighbours(embeddings, [c.chunk_id for c in new], range(len(new)), n)
+        in_batch = self._batch_neighbours(embeddings, [c.chunk_id for c in new], n)
         for c, embedding, local in zip(new, embeddings, in_batch, strict=True):
             hits = dict(vectordb.query_neighbours(self.collection, embedding.tolist(), n, exclude_ids=[c.chunk_id]))
             for cid, distance in local.items():
                 hits.setdefault(cid, distance)
             c.neighbours = rank_neighbours(hits, n)
+
+    def _batch_neighbours(self, embeddings: np.ndarray, ids: Sequence[str], n: int) -> list[dict[str, float]]:
+        """Per new chunk, its n nearest other new chunks (`batch_neighbours`, a block of rows at a time)."""
+        return batch_neighbours(embeddings, ids, range(len(ids)), n)
 
     def _affected_by(self, new: Sequence[_Chunk], embeddings: np.ndarray) -> list[str]:
         """Chunks in the collection whose top-n set gains one of `new` (nearer than their n-th)."""

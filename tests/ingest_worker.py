@@ -63,6 +63,12 @@ def tiny_engine(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> FusionEngi
     return FusionEngine(model, tokenizer, name=f"tiny-llama-seed{seed}")
 
 
+def tiny_engine_at(tokenizer_path: str, seed: int = 0) -> FusionEngine:
+    """`tiny_engine` with the tokenizer saved at `tokenizer_path` (for other processes: Ray workers)."""
+    torch.set_num_threads(1)
+    return tiny_engine(AutoTokenizer.from_pretrained(tokenizer_path), seed)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--data-dir", required=True)

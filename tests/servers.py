@@ -148,3 +148,40 @@ def running_chroma_server(path: Path | None = None, startup_timeout_s: float = 3
             cmd, _chroma_heartbeat, name="chroma", log_dir=Path(tmp), startup_timeout_s=startup_timeout_s, env=env
         ) as p:
             yield f"http://127.0.0.1:{p}"
+
+
+RAY_SKIP_REASON = "ray not installed (pip install 'fusionrag[ray]')"
+
+
+@contextlib.contextmanager
+def running_ray_cluster(num_cpus: int = 2, startup_timeout_s: float = 90.0) -> Iterator[str]:
+    """A one-node Ray cluster (`ray start --head --block`) for tests; yields its address `127.0.0.1:<port>`.
+
+    No dashboard, usage stats off, a 100 MB object store, state in a temp directory. Stopping the
+    `ray start` process we started (SIGTERM) drains and stops that cluster's processes, and only
+    them (never `ray stop`, which would stop every Ray on the machine).
+    """
+    binary = Path(sys.executable).parent / "ray"
+    if not binary.is_file():
+        pytest.skip(RAY_SKIP_REASON)
+    # NOTE: a short path: Ray's unix sockets live under it (the limit is ~107 characters).
+    with tempfile.TemporaryDirectory(prefix="fr-ray-", dir="/tmp") as tmp:
+        # NOTE: token auth on (Ray's default for new clusters; the token is ~/.ray/auth_token): the
+        # driver connecting to it must run with RAY_AUTH_MODE=token too (see tests/test_distributed.py).
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+
+        def cmd(port: int) -> list[str]:
+            return [
+                str(binary), "start", "--head", "--block",
+                "--node-ip-address", "127.0.0.1", "--port", str(port),
+                "--num-cpus", str(num_cpus), "--num-gpus", "0",
+                "--include-dashboard", "false", "--disable-usage-stats",
+                "--object-store-memory", str(100 * 2**20),
+                "--temp-dir", tmp,
+            ]  # fmt: skip
+
+        def ready(port: int) -> bool:
+            return any("Ray runtime started" in p.read_text(errors="replace") for p in Path(tmp).glob("ray-*.log"))
+
+        with _serve(cmd, ready, name="ray", log_dir=Path(tmp), startup_timeout_s=startup_timeout_s, env=env) as p:
+            yield f"127.0.0.1:{p}"

@@ -1,0 +1,142 @@
+"""A Ray ingest (2 workers on a local Ray cluster) builds the same corpus as a single-process ingest.
+
+Same chunk ids, same neighbour lists, the same caches within fp tolerance, a collection that
+`verify` passes, and resume: a Ray ingest picks up blobs a killed run left behind.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from fusionrag_core.data import sample_corpus_dir
+from fusionrag_core.distributed import RayConfig, store_config
+from fusionrag_core.engine import FusionEngine
+from fusionrag_core.errors import CacheMismatchError, InvalidRequestError
+from fusionrag_core.index import FusionIndex
+from fusionrag_core.ingest import NEIGHBOURS_KEY, RADIUS_KEY, IngestConfig
+from fusionrag_core.store.base import KVStore
+from tests.ingest_worker import tiny_engine, tiny_engine_at, tokenizer_dir
+from tests.servers import running_ray_cluster
+
+# NOTE: the test cluster runs with token auth (Ray's default for new clusters); Ray reads the mode
+# when it is first imported, so the driver's must be set before that, as a user's shell would.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+pytest.importorskip("ray")
+pytestmark = [pytest.mark.servers, pytest.mark.usefixtures("one_thread")]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG = IngestConfig(chunk_tokens=40, neighbors=2, batch_size=4, prefill_batch=3)
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    import ray
+
+    with running_ray_cluster(num_cpus=2) as address:
+        yield address
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tok_path(request: pytest.FixtureRequest) -> str:
+    return str(tokenizer_dir(request.config.cache.mkdir("fusionrag-tokenizer")))
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer: PreTrainedTokenizerBase) -> FusionEngine:
+    return tiny_engine(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[str]:
+    out = []
+    for path in sorted(sample_corpus_dir().glob("*.md"))[:4]:
+        paragraphs = [p for p in path.read_text().split("\n\n") if p.strip() and not p.startswith("#")]
+        out.append("\n\n".join(paragraphs[:2]))
+    return out
+
+
+def _ray(address: str, tok_path: str, **kw: Any) -> RayConfig:
+    # NOTE: the workers import `tests.ingest_worker` (the factory) from the repository.
+    return RayConfig(functools.partial(tiny_engine_at, tok_path), address=address, workers=2,
+                     runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}}, **kw)
+
+
+def _corpus(index: FusionIndex) -> dict[str, dict[str, Any]]:
+    res = index.collection.get(include=["metadatas"])
+    return {cid: dict(m or {}) for cid, m in zip(res["ids"], res["metadatas"] or [], strict=True)}
+
+
+def _assert_same_caches(a: KVStore, b: KVStore, ids: list[str], engine: FusionEngine) -> None:
+    for cid in ids:
+        for variant in ("independent", "fused"):
+            x = a.get(cid, variant, fingerprint=engine.fingerprint, shape=engine.kv_shape)  # type: ignore[arg-type]
+            y = b.get(cid, variant, fingerprint=engine.fingerprint, shape=engine.kv_shape)  # type: ignore[arg-type]
+            assert torch.equal(x.token_ids, y.token_ids) and torch.equal(x.positions, y.positions)
+            # NOTE: fp16 storage; packing differs between the runs, so the last bits may too.
+            torch.testing.assert_close(y.keys.float(), x.keys.float(), rtol=2e-3, atol=2e-3)
+            torch.testing.assert_close(y.values.float(), x.values.float(), rtol=2e-3, atol=2e-3)
+
+
+def test_ray_ingest_equals_local_ingest(engine: FusionEngine, docs: list[str], ray_address: str, tok_path: str,
+                                        tmp_path: Path) -> None:
+    local = FusionIndex.open(engine, tmp_path / "local", config=CONFIG)
+    local_report = local.add_texts(docs, doc_ids=[f"d{i}" for i in range(len(docs))])
+    remote = FusionIndex.open(engine, tmp_path / "ray", config=CONFIG)
+    remote_report = remote.add_texts(docs, doc_ids=[f"d{i}" for i in range(len(docs))],
+                                     ray=_ray(ray_address, tok_path))
+
+    assert remote_report.chunk_ids == local_report.chunk_ids
+    assert remote_report.new_chunks == local_report.new_chunks >= 8
+    assert remote_report.prefills == local_report.prefills == 2 * local_report.new_chunks
+    a, b = _corpus(local), _corpus(remote)
+    assert set(a) == set(b)
+    assert {cid: m[NEIGHBOURS_KEY] for cid, m in a.items()} == {cid: m[NEIGHBOURS_KEY] for cid, m in b.items()}
+    assert all(len(m[NEIGHBOURS_KEY].split()) == 2 for m in b.values())
+    _assert_same_caches(local.store, remote.store, sorted(a), engine)
+    assert remote.verify(repair=False).ok
+
+    # resume: a run killed after its blobs but before its Chroma entries leaves blobs without
+    # entries; the next Ray ingest reuses them (no prefill) and ends with a consistent collection.
+    last = max(b, key=lambda cid: b[cid]["chunk_index"])
+    remote.collection.delete(ids=[last])
+    again = remote.add_texts(docs, doc_ids=[f"d{i}" for i in range(len(docs))], ray=_ray(ray_address, tok_path))
+    assert (again.new_chunks, again.prefills) == (1, 0)
+    resumed = _corpus(remote)
+    assert set(resumed) == set(b)
+    for cid, meta in resumed.items():
+        # NOTE: the re-added chunk's radius now comes from Chroma's distances (last bits differ).
+        assert meta.pop(RADIUS_KEY) == pytest.approx(b[cid][RADIUS_KEY], abs=1e-5)
+        assert meta == {k: v for k, v in b[cid].items() if k != RADIUS_KEY}, cid
+    assert remote.verify(repair=False).ok
+    engine.store = None
+
+
+def test_ray_workers_must_build_the_drivers_model(engine: FusionEngine, docs: list[str], ray_address: str,
+                                                  tok_path: str, tmp_path: Path) -> None:
+    index = FusionIndex.open(engine, tmp_path / "other", config=CONFIG)
+    other = RayConfig(functools.partial(tiny_engine_at, tok_path, 1), address=ray_address, workers=1,
+                      runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+    with pytest.raises(CacheMismatchError, match="fingerprint"):
+        index.add_texts(docs[:1], ray=other)
+    assert len(index) == 0 and not index.store.list_ids()
+    engine.store = None
+
+
+def test_ray_needs_a_shared_store() -> None:
+    class Memory:
+        pass
+
+    with pytest.raises(InvalidRequestError, match="every worker reaches"):
+        store_config(Memory())  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="workers"):
+        RayConfig(lambda: None, workers=0)  # type: ignore[arg-type, return-value]
