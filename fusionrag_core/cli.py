@@ -269,6 +269,13 @@ def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentP
                         help="similar chunks each fused cache is prefilled after (new index: 10)")
     ingest.add_argument("--no-fuse", action="store_true", help="independent caches only (the CacheBlend/EPIC setting)")
     ingest.add_argument("--quiet", action="store_true", help="no progress bars")
+    ingest.add_argument("--ray", metavar="local|ADDRESS",
+                        help="run the prefills on Ray: 'local' starts a one-machine cluster, else a cluster address "
+                             "(auto, HOST:PORT, ray://HOST:10001); needs pip install 'fusionrag[ray]' and a KV store "
+                             "every node reaches (--redis-url, or a --db on a shared directory)")
+    ingest.add_argument("--workers", type=positive_int, default=2, help="Ray actors, one model each (default: 2)")
+    ingest.add_argument("--threads-per-worker", type=positive_int, default=1,
+                        help="CPUs (torch threads) per Ray actor (default: 1)")
     ingest.set_defaults(handler=cmd_ingest)
 
     ask = commands.add_parser(
@@ -476,11 +483,18 @@ def cmd_ingest(args: argparse.Namespace, engine: Callable[[], FusionEngine], arg
         raise InvalidRequestError("every file given is empty; nothing to ingest")
     config = _ingest_config(args)
     index = open_index(args, engine(), config)
+    ray = None
+    if args.ray:
+        from fusionrag_core.distributed import RayConfig
+
+        # NOTE: each worker builds the driver's model with the same factory (Ray pickles it).
+        ray = RayConfig(engine, address=args.ray, workers=args.workers, threads_per_worker=args.threads_per_worker)
     report = index.add_texts(
         [text for _, text in docs],
         metadatas=[{"source": str(path)} for path, _ in docs],
         doc_ids=[str(path) for path, _ in docs],  # NOTE: resolved paths: ingesting a file again replaces it.
         progress=not args.quiet,
+        ray=ray,
     )
     print(
         f"ingested {len(docs)} document(s) into {where(args)}: {report.new_chunks} new chunk(s), "

@@ -37,7 +37,7 @@ from fusionrag_core.chunk_caches import _BLOCK, CacheBuilder, FusionItem, batch_
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import CacheMismatchError, InvalidRequestError
 from fusionrag_core.ingest import IngestConfig, Ingestor, IngestReport, _Chunk, _normalise
-from fusionrag_core.store import DiskKVStore, KVStore, StoreConfig
+from fusionrag_core.store import DiskKVStore, KVStore, StorageDType, open_store
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +83,30 @@ class RayConfig:
             raise InvalidRequestError("engine_factory must be a callable that returns a FusionEngine")
 
 
-def store_config(store: KVStore) -> StoreConfig:
+@dataclass(frozen=True)
+class StoreSpec:
+    """How a worker opens the driver's store: a directory (shared by every node) or a Redis URL."""
+
+    location: str
+    storage_dtype: StorageDType
+    namespace: str = "fusionrag"
+
+    def open(self) -> KVStore:
+        return open_store(self.location, storage_dtype=self.storage_dtype, namespace=self.namespace)
+
+
+def store_spec(store: KVStore) -> StoreSpec:
     """How a worker opens the same store.
 
     Raises:
         InvalidRequestError: the store is not a disk or Redis store (workers could not reach it).
     """
     if isinstance(store, DiskKVStore):
-        return StoreConfig(str(store.root), store.storage_dtype)
+        return StoreSpec(str(store.root), store.storage_dtype)
     from fusionrag_core.store.redis import RedisKVStore
 
     if isinstance(store, RedisKVStore):
-        return StoreConfig(store.url, store.storage_dtype, store.namespace)
+        return StoreSpec(store.url, store.storage_dtype, store.namespace)
     raise InvalidRequestError(
         f"a Ray ingest needs a KV store every worker reaches: a DiskKVStore on a shared directory or a "
         f"RedisKVStore, not {type(store).__name__}"
@@ -107,7 +119,7 @@ class IngestWorker:
     Returns only counts, ids and embeddings: caches go straight to the store.
     """
 
-    def __init__(self, engine_factory: EngineFactory, store: StoreConfig, config: IngestConfig, threads: int,
+    def __init__(self, engine_factory: EngineFactory, store: StoreSpec, config: IngestConfig, threads: int,
                  embedding_factory: EmbeddingFactory) -> None:
         torch.set_num_threads(threads)
         self.engine = engine_factory()
@@ -154,19 +166,21 @@ def _import_ray() -> Any:
 class WorkerPool:
     """The actors of one Ray ingest, and the cluster if this pool started it."""
 
-    def __init__(self, config: RayConfig, store: StoreConfig, ingest: IngestConfig, fingerprint: str) -> None:
+    def __init__(self, config: RayConfig, store: StoreSpec, ingest: IngestConfig, fingerprint: str) -> None:
         self.ray = ray = _import_ray()
         self.config = config
         self._started = False
         if not ray.is_initialized():
+            env = dict(config.runtime_env) if config.runtime_env else None
             if config.address == "local":
-                # NOTE: loopback only and no dashboard: the machine may be shared; the object store
-                # only holds ids, texts and embeddings, so it stays small.
-                ray.init(num_cpus=config.workers * config.threads_per_worker, include_dashboard=False,
-                         object_store_memory=config.object_store_mb << 20, _node_ip_address="127.0.0.1",
-                         runtime_env=dict(config.runtime_env) if config.runtime_env else None)
+                # NOTE: a new cluster (address="local" never joins another one on this machine), on
+                # the loopback address, without dashboard; its object store only holds ids, texts and
+                # embeddings, so it stays small.
+                ray.init(address="local", num_cpus=config.workers * config.threads_per_worker,
+                         include_dashboard=False, object_store_memory=config.object_store_mb << 20,
+                         _node_ip_address="127.0.0.1", runtime_env=env)
             else:
-                ray.init(address=config.address, runtime_env=dict(config.runtime_env) if config.runtime_env else None)
+                ray.init(address=config.address, runtime_env=env)
             self._started = True
         gpus = config.gpus_per_worker
         if gpus is None:
@@ -229,7 +243,7 @@ class RayIngestor(Ingestor):
 
     Args:
         ray_config: the cluster and workers.
-        Others: as `Ingestor`; the store must be one every worker reaches (`store_config`).
+        Others: as `Ingestor`; the store must be one every worker reaches (`store_spec`).
 
     NOTE: re-fusion of chunks an ingest marked pending runs on the driver's engine (it is the
     small part of the work: chunks whose neighbour set changed).
@@ -239,7 +253,7 @@ class RayIngestor(Ingestor):
                  embedding_function: vectordb.EmbeddingFn, ray_config: RayConfig) -> None:
         super().__init__(engine, collection, store, config, embedding_function)
         self.ray_config = ray_config
-        self._store_config = store_config(store)
+        self._store_spec = store_spec(store)
         self._pool: WorkerPool | None = None
         self._progress = False
 
@@ -258,7 +272,7 @@ class RayIngestor(Ingestor):
     @property
     def pool(self) -> WorkerPool:
         if self._pool is None:
-            self._pool = WorkerPool(self.ray_config, self._store_config, self.config, self.engine.fingerprint)
+            self._pool = WorkerPool(self.ray_config, self._store_spec, self.config, self.engine.fingerprint)
         return self._pool
 
     def add(self, texts: Sequence[str], metadatas: Sequence[Mapping[str, Any] | None] | None = None,
@@ -336,4 +350,4 @@ class RayIngestor(Ingestor):
             yield list(chunks[lo : lo + step])
 
 
-__all__ = ["IngestWorker", "RayConfig", "RayIngestor", "WorkerPool", "store_config"]
+__all__ = ["IngestWorker", "RayConfig", "RayIngestor", "StoreSpec", "WorkerPool", "store_spec"]

@@ -17,11 +17,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.data import sample_corpus_dir
-from fusionrag_core.distributed import RayConfig, store_config
+from fusionrag_core.distributed import RayConfig, RayIngestor, store_spec
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import CacheMismatchError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.ingest import NEIGHBOURS_KEY, RADIUS_KEY, IngestConfig
+from fusionrag_core.ingest import NEIGHBOURS_KEY, RADIUS_KEY, IngestConfig, IngestReport
 from fusionrag_core.store.base import KVStore
 from tests.ingest_worker import tiny_engine, tiny_engine_at, tokenizer_dir
 from tests.servers import running_ray_cluster
@@ -92,8 +92,17 @@ def test_ray_ingest_equals_local_ingest(engine: FusionEngine, docs: list[str], r
     local = FusionIndex.open(engine, tmp_path / "local", config=CONFIG)
     local_report = local.add_texts(docs, doc_ids=[f"d{i}" for i in range(len(docs))])
     remote = FusionIndex.open(engine, tmp_path / "ray", config=CONFIG)
-    remote_report = remote.add_texts(docs, doc_ids=[f"d{i}" for i in range(len(docs))],
-                                     ray=_ray(ray_address, tok_path))
+    ingestor = RayIngestor(engine, remote.collection, remote.store, remote.config,
+                           remote.ingestor.embedding_function, _ray(ray_address, tok_path))
+    with ingestor:  # NOTE: one pool for both calls (FusionIndex.add_texts(ray=...) starts one per call).
+        remote_report = ingestor.add(docs, doc_ids=[f"d{i}" for i in range(len(docs))])
+        _check_same_corpus(engine, local, remote, local_report, remote_report)
+        _check_resume(remote, ingestor, docs)
+    engine.store = None
+
+
+def _check_same_corpus(engine: FusionEngine, local: FusionIndex, remote: FusionIndex, local_report: IngestReport,
+                       remote_report: IngestReport) -> None:
 
     assert remote_report.chunk_ids == local_report.chunk_ids
     assert remote_report.new_chunks == local_report.new_chunks >= 8
@@ -105,11 +114,14 @@ def test_ray_ingest_equals_local_ingest(engine: FusionEngine, docs: list[str], r
     _assert_same_caches(local.store, remote.store, sorted(a), engine)
     assert remote.verify(repair=False).ok
 
-    # resume: a run killed after its blobs but before its Chroma entries leaves blobs without
-    # entries; the next Ray ingest reuses them (no prefill) and ends with a consistent collection.
+
+def _check_resume(remote: FusionIndex, ingestor: RayIngestor, docs: list[str]) -> None:
+    """A run killed after its blobs but before its Chroma entries leaves blobs without entries; the
+    next Ray ingest reuses them (no prefill) and ends with a consistent collection."""
+    b = _corpus(remote)
     last = max(b, key=lambda cid: b[cid]["chunk_index"])
     remote.collection.delete(ids=[last])
-    again = remote.add_texts(docs, doc_ids=[f"d{i}" for i in range(len(docs))], ray=_ray(ray_address, tok_path))
+    again = ingestor.add(docs, doc_ids=[f"d{i}" for i in range(len(docs))])
     assert (again.new_chunks, again.prefills) == (1, 0)
     resumed = _corpus(remote)
     assert set(resumed) == set(b)
@@ -118,7 +130,6 @@ def test_ray_ingest_equals_local_ingest(engine: FusionEngine, docs: list[str], r
         assert meta.pop(RADIUS_KEY) == pytest.approx(b[cid][RADIUS_KEY], abs=1e-5)
         assert meta == {k: v for k, v in b[cid].items() if k != RADIUS_KEY}, cid
     assert remote.verify(repair=False).ok
-    engine.store = None
 
 
 def test_ray_workers_must_build_the_drivers_model(engine: FusionEngine, docs: list[str], ray_address: str,
@@ -137,6 +148,31 @@ def test_ray_needs_a_shared_store() -> None:
         pass
 
     with pytest.raises(InvalidRequestError, match="every worker reaches"):
-        store_config(Memory())  # type: ignore[arg-type]
+        store_spec(Memory())  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="workers"):
         RayConfig(lambda: None, workers=0)  # type: ignore[arg-type, return-value]
+
+
+def test_cli_ingest_on_a_local_ray_cluster(engine: FusionEngine, docs: list[str], tok_path: str, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import ray
+
+    from fusionrag_core.cli import main
+
+    if ray.is_initialized():
+        ray.shutdown()  # NOTE: `--ray local` starts (and stops) its own cluster.
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(docs[:2]):
+        (corpus / f"doc{i}.md").write_text(text)
+    db = ["--db", str(tmp_path / "db")]
+    argv = [*db, "ingest", str(corpus), "--chunk-tokens", "40", "--neighbors", "2", "--quiet",
+            "--ray", "local", "--workers", "2"]
+    assert main(argv, engine_factory=functools.partial(_cli_engine, tok_path)) == 0
+    assert "new chunk(s)" in capsys.readouterr().out
+    assert not ray.is_initialized()  # NOTE: the cluster it started is gone.
+    assert main([*db, "verify", "--no-repair"], engine_factory=functools.partial(_cli_engine, tok_path)) == 0
+
+
+def _cli_engine(tok_path: str, spec: Any) -> FusionEngine:
+    return tiny_engine_at(tok_path)
