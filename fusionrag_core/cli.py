@@ -220,6 +220,9 @@ def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
                        help="fraction of reused chunk tokens to recompute (default: 0.15)")
     group.add_argument("-k", type=positive_int, default=default(4),
                        help="chunks to retrieve per question (default: 4)")
+    group.add_argument("--wait", type=float, default=default(0.0), metavar="SECONDS",
+                       help="ingest/delete/verify: wait this long for another writer of the corpus (default: 0, "
+                            "fail at once; one writer per corpus)")
 
 
 def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentParser:
@@ -276,7 +279,22 @@ def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentP
     ingest.add_argument("--workers", type=positive_int, default=2, help="Ray actors, one model each (default: 2)")
     ingest.add_argument("--threads-per-worker", type=positive_int, default=1,
                         help="CPUs (torch threads) per Ray actor (default: 1)")
+    ingest.add_argument("--sync", action="store_true",
+                        help="also remove documents ingested from these folders/files that no longer exist there")
+    ingest.add_argument("--no-space-check", action="store_true",
+                        help="go on even when the projected caches do not fit the store's free space")
     ingest.set_defaults(handler=cmd_ingest)
+
+    delete = commands.add_parser(
+        "delete", parents=[shared], formatter_class=formatter,
+        help="remove documents (their chunks and caches) from the index",
+        description="Remove documents by id: for `fusionrag ingest`ed files the id is the file's path (given "
+                    "relative or absolute). Chunks other documents share stay; chunks fused after removed ones "
+                    "are re-fused.",
+        epilog="examples:\n  fusionrag delete docs/old.md\n  fusionrag delete lamp birth",
+    )
+    delete.add_argument("doc_ids", nargs="+", metavar="DOC_ID", help="document ids or ingested file paths")
+    delete.set_defaults(handler=cmd_delete)
 
     ask = commands.add_parser(
         "ask", parents=[shared], formatter_class=formatter,
@@ -296,8 +314,8 @@ def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentP
         "verify", parents=[shared], formatter_class=formatter,
         help="check that Chroma and the KV store agree, and repair what does not",
         description="Load every cache the collection needs and look for missing, corrupt, mismatched, orphan and "
-                    "stale ones. Exit code 1 when problems remain (with --no-repair). Do not run it while an "
-                    "ingest writes to the same index.",
+                    "stale ones. Exit code 1 when problems remain (with --no-repair). It takes the corpus's "
+                    "writer lock (see --wait); after an interrupted ingest it reports the index incomplete (exit 1).",
         epilog="examples:\n  fusionrag verify\n  fusionrag verify --no-repair",
     )
     verify.add_argument("--repair", action=argparse.BooleanOptionalAction, default=True,
@@ -366,7 +384,7 @@ def open_index(args: argparse.Namespace, engine: FusionEngine, config: IngestCon
     from fusionrag_core.index import FusionIndex
 
     return FusionIndex.open(engine, Path(args.db).expanduser(), chroma_url=args.chroma_url, redis_url=args.redis_url,
-                            collection_name=args.collection, config=config)
+                            collection_name=args.collection, config=config, writer_wait_s=args.wait)
 
 
 def _source(chunk: RetrievedChunk) -> str:
@@ -495,12 +513,54 @@ def cmd_ingest(args: argparse.Namespace, engine: Callable[[], FusionEngine], arg
         doc_ids=[str(path) for path, _ in docs],  # NOTE: resolved paths: ingesting a file again replaces it.
         progress=not args.quiet,
         ray=ray,
+        space_check=not args.no_space_check,
     )
     print(
         f"ingested {len(docs)} document(s) into {where(args)}: {report.new_chunks} new chunk(s), "
         f"{report.skipped_chunks} already indexed, {report.refused_chunks} re-fused, {report.removed_chunks} removed, "
         f"in {report.seconds:.1f} s ({len(index)} chunks in the index)"
     )
+    if args.sync:
+        gone = sorted(gone_documents(index.document_ids(), args.paths, {str(path) for path, _ in docs}))
+        if gone:
+            removed = index.delete(gone)
+            print(f"--sync: removed {len(gone)} document(s) no longer there ({removed} chunk(s)): " + ", ".join(gone))
+    return 0
+
+
+def gone_documents(indexed: set[str], paths: Sequence[str], present: set[str]) -> set[str]:
+    """Indexed file documents under `paths` (folders, or files as given) that are not in `present`."""
+    roots = [Path(p).expanduser().resolve() for p in paths]
+    out = set()
+    for doc_id in indexed - present:
+        doc = Path(doc_id)
+        if doc.is_absolute() and any(doc == r or r in doc.parents for r in roots) and not doc.is_file():
+            out.add(doc_id)
+    return out
+
+
+# ---- delete ---------------------------------------------------------------------------------------
+def cmd_delete(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
+    """`fusionrag delete DOC_ID...`: 0 when every id named a document, 2 when none did."""
+    _require_index(args)
+    index = open_index(args, engine())
+    indexed = index.document_ids()
+    wanted: list[str] = []
+    unknown: list[str] = []
+    for raw in args.doc_ids:
+        path = str(Path(raw).expanduser().resolve())
+        doc_id = raw if raw in indexed else path if path in indexed else None
+        (wanted if doc_id else unknown).append(doc_id or raw)
+    if not wanted:
+        raise InvalidRequestError(
+            f"no document {', '.join(map(repr, unknown))} in {where(args)}; ids are what ingest used (for files: "
+            "their path)"
+        )
+    removed = index.delete(wanted)
+    print(f"deleted {len(wanted)} document(s) from {where(args)}: {removed} chunk(s) removed "
+          f"({len(index)} chunks in the index)")
+    if unknown:
+        print(f"{PROG}: not in the index (skipped): {', '.join(unknown)}", file=sys.stderr)
     return 0
 
 
@@ -538,11 +598,16 @@ def cmd_verify(args: argparse.Namespace, engine: Callable[[], FusionEngine], arg
     index = open_index(args, engine())
     report = index.verify(repair=args.repair)
     print(f"{where(args)}: {report.chunks} chunk(s) in Chroma, {report.blobs} with caches in {index.store!r}")
+    if report.incomplete:
+        print(f"INCOMPLETE: the last {report.incomplete}; the index lacks some of its documents. Re-run that "
+              f"command (it resumes where it stopped, reusing the caches it stored), then `{PROG} verify`. "
+              "Nothing was repaired.")
+        return 1
     if report.ok:
         print("OK: every chunk has its caches, and every cache its chunk")
         return 0
     problems = {name: getattr(report, name) for name in ("missing", "corrupt", "mismatched", "orphans", "textless",
-                                                           "stale")}
+                                                           "stale", "wrong_neighbours")}
     print("found: " + ", ".join(f"{count} {name}" for name, count in problems.items() if count))
     if report.repaired:
         print(f"repaired: {report.recomputed} cache(s) recomputed, {report.removed} text-less entr(y/ies) removed")

@@ -276,9 +276,10 @@ class RayIngestor(Ingestor):
         return self._pool
 
     def add(self, texts: Sequence[str], metadatas: Sequence[Mapping[str, Any] | None] | None = None,
-            doc_ids: Sequence[str] | None = None, *, progress: bool = False) -> IngestReport:
+            doc_ids: Sequence[str] | None = None, *, progress: bool = False,
+            space_check: bool = True) -> IngestReport:
         self._progress = progress
-        return super().add(texts, metadatas, doc_ids, progress=progress)
+        return super().add(texts, metadatas, doc_ids, progress=progress, space_check=space_check)
 
     def _independent(self, chunks: Sequence[_Chunk], progress: bool) -> None:
         if not chunks:

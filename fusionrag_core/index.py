@@ -25,9 +25,10 @@ from fusionrag_core import vectordb
 from fusionrag_core.corpus import corpus_id_of, legacy_warning, store_namespace
 from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
-from fusionrag_core.errors import CacheMismatchError, InvalidRequestError
+from fusionrag_core.errors import CacheMismatchError, InsufficientSpaceError, InvalidRequestError
 from fusionrag_core.ingest import IngestConfig, Ingestor, IngestReport, VerifyReport
 from fusionrag_core.kv import Variant
+from fusionrag_core.lock import writing
 from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_dir, kv_dir
 from fusionrag_core.prompt import FusionPrompt
 from fusionrag_core.store import DiskKVStore, KVStore, StorageDType, open_store
@@ -54,6 +55,8 @@ class FusionIndex:
         config: chunking and fusion settings; None = the settings the collection was built with
             (the defaults for a new collection).
         embedding_function: the collection's embedding function (default: the offline MiniLM).
+        writer_wait_s: how long a write (add_texts, delete, verify) waits for another writer of the
+            corpus before failing with CorpusLockedError (one writer per corpus, see `lock`).
 
     Raises:
         CacheMismatchError: the collection was built by another model.
@@ -69,10 +72,12 @@ class FusionIndex:
         config: IngestConfig | None = None,
         *,
         embedding_function: vectordb.EmbeddingFn | None = None,
+        writer_wait_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self.collection = collection
         self.store = store
+        self.writer_wait_s = writer_wait_s
         ef = embedding_function if embedding_function is not None else vectordb.default_embedding_function()
         self.config = _bind(collection, engine, config, ef)
         self.ingestor = Ingestor(engine, collection, store, self.config, ef)
@@ -89,6 +94,7 @@ class FusionIndex:
         config: IngestConfig | None = None,
         embedding_function: vectordb.EmbeddingFn | None = None,
         storage_dtype: StorageDType = "float16",
+        writer_wait_s: float = 0.0,
     ) -> FusionIndex:
         """Open (creating if needed) an index: a Chroma collection and its KV store.
 
@@ -103,6 +109,7 @@ class FusionIndex:
             config: chunking and fusion settings (None: the collection's own, or the defaults).
             embedding_function: default the offline all-MiniLM-L6-v2.
             storage_dtype: dtype of stored keys/values (see `KVStore`).
+            writer_wait_s: how long writes wait for another writer of the corpus (see `FusionIndex`).
 
         Raises:
             CacheMismatchError / InvalidRequestError: as `FusionIndex(...)`.
@@ -123,7 +130,7 @@ class FusionIndex:
                                namespace=store_namespace(collection_name, corpus_id))
         else:
             store = DiskKVStore(kv_dir(data_dir, collection_name), storage_dtype=storage_dtype)
-        return cls(engine, collection, store, config, embedding_function=ef)
+        return cls(engine, collection, store, config, embedding_function=ef, writer_wait_s=writer_wait_s)
 
     # ---- writing ------------------------------------------------------------------------------------
     def add_texts(
@@ -134,6 +141,7 @@ class FusionIndex:
         *,
         progress: bool = False,
         ray: RayConfig | None = None,
+        space_check: bool = True,
     ) -> IngestReport:
         """Chunk, cache (independent and fused) and index documents; resumes an interrupted run.
 
@@ -141,34 +149,53 @@ class FusionIndex:
             texts: one text per document.
             metadatas: per document, str/int/float/bool values copied to each of its chunks.
             doc_ids: per document; default a hash of its text. An existing id is replaced.
-            progress: show tqdm bars (chunks, chunks/s, ETA).
+            progress: show tqdm bars (chunking, chunks, chunks/s, ETA) and the projected cache size.
             ray: run the prefills and embeddings on a Ray cluster (`distributed.RayConfig`); the
                 store must be one every worker reaches (a shared directory or Redis).
+            space_check: refuse an ingest whose projected caches do not fit the store's free space.
 
         Returns:
             What was done (new, skipped and re-fused chunks, prefills, time).
-        """
-        if ray is None:
-            return self.ingestor.add(texts, metadatas, doc_ids, progress=progress)
-        from fusionrag_core.distributed import RayIngestor
 
-        with RayIngestor(self.engine, self.collection, self.store, self.config, self.ingestor.embedding_function,
-                         ray) as ingestor:
-            return ingestor.add(texts, metadatas, doc_ids, progress=progress)
+        Raises:
+            CorpusLockedError: another writer holds the corpus (after `writer_wait_s`).
+            InsufficientSpaceError: the projected caches do not fit; nothing was written.
+        """
+        with writing(self.store, "ingest", wait_s=self.writer_wait_s, journal=True) as lock:
+            try:
+                if ray is None:
+                    return self.ingestor.add(texts, metadatas, doc_ids, progress=progress, space_check=space_check)
+                from fusionrag_core.distributed import RayIngestor
+
+                with RayIngestor(self.engine, self.collection, self.store, self.config,
+                                 self.ingestor.embedding_function, ray) as ingestor:
+                    return ingestor.add(texts, metadatas, doc_ids, progress=progress, space_check=space_check)
+            except InsufficientSpaceError:
+                lock.end()  # NOTE: refused before its first write: there is nothing to resume.
+                raise
+
+    def document_ids(self) -> set[str]:
+        """The ids of every document with a chunk in the index."""
+        return self.ingestor.document_ids()
 
     def delete(self, doc_ids: Sequence[str]) -> int:
         """Remove documents (Chroma entries and every cache variant of chunks no other document
         shares); chunks that were fused after them are re-fused. Returns the chunks removed."""
-        return self.ingestor.delete(doc_ids)
+        with writing(self.store, "delete", wait_s=self.writer_wait_s, journal=True):
+            return self.ingestor.delete(doc_ids)
 
     def verify(self, repair: bool = True) -> VerifyReport:
         """Check that Chroma and the KV store agree, loading every blob; optionally repair.
 
         Finds Chroma ids missing a blob (recomputed; removed if the entry has no text), orphan blobs
         (deleted), corrupt or mismatched blobs (recomputed) and out-of-date fused caches (re-fused).
-        Do not run it while another process ingests into the same index.
+        Takes the corpus's writer lock (a report taken beside a running ingest would count its
+        in-flight blobs as orphans). After an ingest that died mid-way it reports the corpus
+        incomplete and repairs nothing: re-run that ingest (it resumes), then verify.
         """
-        return self.ingestor.verify(repair=repair)
+        with writing(self.store, "repair" if repair else "verify", wait_s=self.writer_wait_s) as lock:
+            interrupted = lock.interrupted()
+            return self.ingestor.verify(repair=repair, interrupted=_describe(interrupted) if interrupted else "")
 
     # ---- reading ------------------------------------------------------------------------------------
     def search(self, query: str, k: int = 4) -> list[RetrievedChunk]:
@@ -225,6 +252,11 @@ class FusionIndex:
 
     def __repr__(self) -> str:
         return f"FusionIndex(collection={self.collection.name!r}, store={self.store!r}, model={self.engine.name!r})"
+
+
+def _describe(writer: Mapping[str, Any]) -> str:
+    return (f"{writer.get('action', 'a write')} by pid {writer.get('pid')} on {writer.get('host')} "
+            f"({writer.get('command')!r}, started {writer.get('since')}) did not finish")
 
 
 def _bind(

@@ -23,8 +23,9 @@ bookkeeping keys below. A chunk whose text occurs in several documents is stored
 all of them (`fusion_docs`); it is deleted with its last owner, and keeps the first owner's
 `chunk_index` and metadata.
 
-NOTE: one writer at a time per collection: two processes ingesting into the same collection, or
-`verify` running beside an ingest (it deletes blobs not yet in Chroma as orphans), is unsupported.
+NOTE: one writer at a time per corpus: two writers interleaving lose caches (one's orphan sweep
+deletes blobs the other has not indexed yet). `FusionIndex` holds the corpus's writer lock
+(`fusionrag_core.lock`) around every add, delete and verify; an Ingestor used directly must too.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -52,7 +53,8 @@ from fusionrag_core.errors import (
     CacheNotFoundError,
     InvalidRequestError,
 )
-from fusionrag_core.kv import Variant
+from fusionrag_core.guard import check_room, project
+from fusionrag_core.kv import Variant, neighbours_digest
 from fusionrag_core.recognise import content_index_for, index_content
 from fusionrag_core.store.base import KVStore
 
@@ -82,6 +84,8 @@ _OPEN_RADIUS = 3.0
 # NOTE: embeddings of the same text computed in different batches differ in the last float bits;
 # a neighbour must be nearer by more than this to count as a change (no re-fusion flapping).
 _RADIUS_EPS = 1e-5
+# NOTE: an ingest projected to write this much prints its projection even without progress bars.
+_ANNOUNCE_BYTES = 1 << 30
 # NOTE: rows of a distance matrix computed at once: [256, N] float32 stays ~100 MB at N = 100k.
 _BLOCK = 256
 
@@ -186,9 +190,13 @@ class VerifyReport:
         orphans: store ids without a Chroma entry.
         textless: Chroma entries without text (cannot be recomputed).
         stale: fused caches out of date (a neighbour is gone, or marked pending).
+        wrong_neighbours: fused caches prefilled after other neighbours than the collection records.
         repaired: whether problems were fixed.
         recomputed: prefills run by the repair.
         removed: Chroma entries removed by the repair (the textless ones).
+        incomplete: set when the last ingest or delete died mid-way (who and when): the corpus is
+            short of its documents; re-running that ingest finishes it. Nothing is repaired then,
+            so the blobs the resumed ingest will use are kept.
     """
 
     chunks: int = 0
@@ -199,14 +207,17 @@ class VerifyReport:
     orphans: int = 0
     textless: int = 0
     stale: int = 0
+    wrong_neighbours: int = 0
     repaired: bool = False
     recomputed: int = 0
     removed: int = 0
+    incomplete: str = ""
 
     @property
     def ok(self) -> bool:
         """True when nothing was found wrong."""
-        return not (self.missing or self.corrupt or self.mismatched or self.orphans or self.textless or self.stale)
+        return not (self.missing or self.corrupt or self.mismatched or self.orphans or self.textless or self.stale
+                    or self.wrong_neighbours or self.incomplete)
 
 
 @dataclass
@@ -261,6 +272,10 @@ def _fusion_meta(neighbours: Sequence[tuple[str, float]], n: int) -> dict[str, P
 
 def _neighbour_ids(metadata: Mapping[str, Any]) -> list[str]:
     return str(metadata.get(NEIGHBOURS_KEY) or "").split()
+
+
+def _ids_of(neighbours: Sequence[tuple[str, float]]) -> list[str]:
+    return [cid for cid, _ in neighbours]
 
 
 def _normalise(vectors: Sequence[Any]) -> np.ndarray:
@@ -320,21 +335,30 @@ class Ingestor:
         doc_ids: Sequence[str] | None = None,
         *,
         progress: bool = False,
+        space_check: bool = True,
     ) -> IngestReport:
         """Ingest documents (see the module docstring for the order of work). Adding a document
-        id that exists replaces that document: chunks it no longer contains are deleted."""
+        id that exists replaces that document: chunks it no longer contains are deleted.
+
+        Before the first write, the caches of the new chunks are projected and checked against
+        the store's free space (`space_check=False` goes on regardless).
+
+        Raises:
+            InsufficientSpaceError: the projected caches do not fit (nothing was written).
+        """
         start = time.perf_counter()
-        docs, chunks = self._cut(texts, metadatas, doc_ids)
+        docs, chunks = self._cut(texts, metadatas, doc_ids, progress)
         report = IngestReport(doc_ids=list(docs), chunk_ids=[list(ids) for ids in docs.values()])
         prefills = self.prefills
 
         present = vectordb.get_rows(self.collection, list(chunks))
-        report.removed_chunks = self._settle_ownership(docs, present)
         new = [c for cid, c in chunks.items() if cid not in present]
+        self._check_room(new, space_check, progress)
+        report.removed_chunks = self._settle_ownership(docs, present)
         incomplete = self._incomplete(present)
         report.skipped_chunks = len(present) - len(incomplete)
 
-        missing_independent = [c for c in new if not self.store.has(c.chunk_id, "independent")]
+        missing_independent = [c for c in new if not self._usable(c.chunk_id, "independent")]
         missing_independent += [c for c in incomplete if not self.store.has(c.chunk_id, "independent")]
         self._independent(missing_independent, progress)
         if self.config.fuse:
@@ -350,11 +374,23 @@ class Ingestor:
         report.seconds = time.perf_counter() - start
         return report
 
+    def _check_room(self, new: Sequence[_Chunk], enforce: bool, progress: bool) -> None:
+        """Project the new chunks' caches; refuse (when `enforce`) what the store has no room for."""
+        if not new:
+            return
+        counts = [int(self.engine.layout.chunk_ids(c.text).shape[0]) for c in new]
+        projection = project(self.store, self.engine.kv_shape, counts, 2 if self.config.fuse else 1)
+        if progress or projection.bytes >= _ANNOUNCE_BYTES:
+            tqdm.write(f"fusionrag: projected {projection.describe(repr(self.store))}")
+        if enforce:
+            check_room(projection, repr(self.store))
+
     def _cut(
         self,
         texts: Sequence[str],
         metadatas: Sequence[Mapping[str, Any] | None] | None,
         doc_ids: Sequence[str] | None,
+        progress: bool = False,
     ) -> tuple[dict[str, list[str]], dict[str, _Chunk]]:
         """Chunk every document: (doc id -> its chunk ids, chunk id -> first occurrence)."""
         if isinstance(texts, str):
@@ -369,6 +405,10 @@ class Ingestor:
         docs: dict[str, list[str]] = {}
         seen_text: dict[str, str] = {}
         chunks: dict[str, _Chunk] = {}
+        # NOTE: in characters, and moving inside a document too: one long file can take minutes to cut.
+        bar = tqdm(total=sum(len(t) for t in texts if isinstance(t, str)), desc="chunking", unit="char",
+                   unit_scale=True, disable=not progress)
+        done = 0
         for text, meta, doc_id in zip(texts, metas, ids, strict=True):
             if not isinstance(doc_id, str) or not doc_id:
                 raise InvalidRequestError(f"doc ids must be non-empty strings, got {doc_id!r}")
@@ -384,12 +424,17 @@ class Ingestor:
             # NOTE: checked before any prefill: a bad value found at the Chroma add would leave orphans.
             user_meta = vectordb.check_metadata(f"document {doc_id!r}", meta, RESERVED_KEYS)
             docs[doc_id] = []
-            for index, piece in enumerate(self.chunker.split(text)):
+            on_progress = (lambda at, base=done: bar.update(base + at - bar.n)) if progress else None
+            pieces = self.chunker.split(text, on_progress)
+            done += len(text)
+            bar.update(done - bar.n)
+            for index, piece in enumerate(pieces):
                 cid = chunk_id(piece, self.engine.fingerprint, self.config.chunking)
                 docs[doc_id].append(cid)
                 chunk = chunks.setdefault(cid, _Chunk(cid, piece, doc_id, index, user_meta))
                 if doc_id not in chunk.owners:
                     chunk.owners.append(doc_id)
+        bar.close()
         return docs, chunks
 
     def _text_of(self, chunk_id: str) -> str | None:
@@ -428,14 +473,30 @@ class Ingestor:
         return out
 
     def _incomplete(self, present: Mapping[str, vectordb.Row]) -> list[_Chunk]:
-        """Present chunks lacking a blob (a crash between a delete and its cleanup, or manual
-        deletion): their text comes back from the collection."""
+        """Present chunks lacking a usable blob (a crash between a delete and its cleanup, manual
+        deletion, a corrupt blob): their text comes back from the collection. Bad blobs are set aside
+        on the way, so `store.has` tells the truth afterwards."""
         variants: tuple[Variant, ...] = ("independent", "fused") if self.config.fuse else ("independent",)
         out = []
         for cid, row in present.items():
-            if row.text and not all(self.store.has(cid, v) for v in variants):
+            if row.text and not all([self._usable(cid, v) for v in variants]):
                 out.append(_Chunk(cid, row.text, _owners(row.metadata)[0], 0, {}))
         return out
+
+    def _usable(self, cid: str, variant: Variant, neighbours: Sequence[str] | None = None) -> bool:
+        """Whether the stored blob loads and validates (and, given `neighbours`, was fused after
+        them). A blob that does not is set aside (`KVStore.quarantine`), to be recomputed."""
+        if not self.store.has(cid, variant):
+            return False
+        try:
+            kv = self.store.get(cid, variant, fingerprint=self.engine.fingerprint, shape=self.engine.kv_shape)
+        except CacheNotFoundError:
+            return False
+        except (CacheCorruptError, CacheMismatchError) as e:
+            where = self.store.quarantine(cid, variant)
+            log.warning("recomputing the %s cache of chunk %s: %s (set aside: %s)", variant, cid, e, where)
+            return False
+        return neighbours is None or kv.fused_after == neighbours_digest(neighbours)
 
     def _independent(self, chunks: Sequence[_Chunk], progress: bool) -> None:
         """Phase 1: compute and store the independent caches of `chunks`."""
@@ -517,10 +578,12 @@ class Ingestor:
         for start in range(0, len(new), self.config.batch_size):
             batch = new[start : start + self.config.batch_size]
             if self.config.fuse:
-                todo = [c for c in batch if not self.store.has(c.chunk_id, "fused")]
+                # NOTE: a fused blob left by an interrupted run is reused only if it was built on
+                # the neighbours found now (the corpus may have changed since).
+                todo = [c for c in batch if not self._usable(c.chunk_id, "fused", _ids_of(c.neighbours))]
                 kvs = self.builder.fused([(c.chunk_id, c.text, c.neighbours) for c in todo])
                 for c, kv in zip(todo, kvs, strict=True):
-                    self.store.put(c.chunk_id, kv)
+                    self.store.put(c.chunk_id, replace(kv, fused_after=neighbours_digest(_ids_of(c.neighbours))))
             yield batch
 
     # ---- re-fusion ----------------------------------------------------------------------------------
@@ -540,12 +603,18 @@ class Ingestor:
             neighbours = rank_neighbours(dict(vectordb.query_neighbours(
                 self.collection, _normalise([row.embedding])[0].tolist(), self.config.neighbors,
                 exclude_ids=[row.chunk_id])), self.config.neighbors)
-            self.store.put(row.chunk_id, self.builder.fused([(row.chunk_id, row.text, neighbours)])[0])
+            kv = self.builder.fused([(row.chunk_id, row.text, neighbours)])[0]
+            self.store.put(row.chunk_id, replace(kv, fused_after=neighbours_digest(_ids_of(neighbours))))
             vectordb.update_metadata(self.collection, [row.chunk_id], [_fusion_meta(neighbours, self.config.neighbors)])
             done += 1
         return done
 
     # ---- delete -------------------------------------------------------------------------------------
+    def document_ids(self) -> set[str]:
+        """Every document id that owns a chunk of the collection."""
+        pages = vectordb.scan(self.collection, ["metadatas"])
+        return {o for page in pages for row in page.values() for o in _owners(row.metadata)}
+
     def delete(self, doc_ids: Sequence[str]) -> int:
         """Remove documents: chunks no other document owns lose their Chroma entry and every blob;
         chunks fused after them are re-fused. Returns how many chunks were removed."""
@@ -600,11 +669,13 @@ class Ingestor:
         return len(orphans)
 
     # ---- verify -------------------------------------------------------------------------------------
-    def verify(self, *, repair: bool = True) -> VerifyReport:
+    def verify(self, *, repair: bool = True, interrupted: str = "") -> VerifyReport:
         """Check every Chroma entry against the store (loading each blob) and vice versa; with
-        `repair`, delete orphans, drop text-less entries, recompute bad caches, re-fuse stale ones."""
+        `repair`, delete orphans, drop text-less entries, recompute bad caches, re-fuse stale ones.
+        `interrupted` (who died mid-ingest) marks the report incomplete and suppresses the repair."""
         problems = self.find_problems()
-        if repair and not problems.report.ok:
+        problems.report.incomplete = interrupted
+        if repair and not problems.report.ok and not interrupted:
             self.repair(problems)
         return problems.report
 
@@ -625,7 +696,8 @@ class Ingestor:
                 continue
             expected = self.engine.layout.chunk_ids(row.text)
             for variant in ("independent", "fused") if self.config.fuse else ("independent",):
-                problem = self._check_blob(cid, variant, expected)
+                recorded = _neighbour_ids(row.metadata) if variant == "fused" else None
+                problem = self._check_blob(cid, variant, expected, recorded)
                 if problem is None:
                     continue
                 setattr(report, problem, getattr(report, problem) + 1)
@@ -654,8 +726,14 @@ class Ingestor:
         report.repaired = True
         report.recomputed = self.prefills - prefills
 
-    def _check_blob(self, cid: str, variant: Variant, expected: torch.Tensor) -> str | None:
-        """None if the blob is good, else the VerifyReport field that counts its problem."""
+    def _check_blob(self, cid: str, variant: Variant, expected: torch.Tensor,
+                    neighbours: Sequence[str] | None = None) -> str | None:
+        """None if the blob is good, else the VerifyReport field that counts its problem.
+
+        `neighbours`: the neighbour ids the collection records for a fused cache; a blob that
+        records others was fused after another list (a second writer, an interrupted update).
+        NOTE: blobs written before digests were recorded have none and pass this check.
+        """
         try:
             kv = self.store.get(cid, variant, fingerprint=self.engine.fingerprint, shape=self.engine.kv_shape)
         except CacheNotFoundError:
@@ -664,7 +742,11 @@ class Ingestor:
             return "corrupt"
         except CacheMismatchError:
             return "mismatched"
-        return None if torch.equal(kv.token_ids, expected) else "mismatched"
+        if not torch.equal(kv.token_ids, expected):
+            return "mismatched"
+        if neighbours is not None and kv.fused_after and kv.fused_after != neighbours_digest(neighbours):
+            return "wrong_neighbours"
+        return None
 
 
 __all__ = [

@@ -6,6 +6,7 @@ Shapes use `L` layers, `H` kv heads, `T` tokens, `D` head dim.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +36,9 @@ class ChunkKV:
         fingerprint: model fingerprint the cache was computed with.
         variant: "independent" (prefilled after the system prefix only) or "fused"
             (prefilled after the prefix and the chunk's neighbours).
+        fused_after: for a fused cache, a digest of the neighbour ids it was prefilled after
+            (`neighbours_digest`), recorded so verify can tell a cache built on another neighbour
+            list than the one the collection records; "" when unknown.
 
     NOTE: keys and values share dtype and device; positions are strictly increasing.
     """
@@ -45,6 +49,7 @@ class ChunkKV:
     positions: torch.Tensor
     fingerprint: str
     variant: Variant
+    fused_after: str = ""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -113,7 +118,13 @@ class ChunkKV:
             positions=self.positions.to(device),
             fingerprint=self.fingerprint,
             variant=self.variant,
+            fused_after=self.fused_after,
         )
+
+
+def neighbours_digest(neighbour_ids: Sequence[str]) -> str:
+    """A short digest of a fused cache's neighbour ids, nearest first (see `ChunkKV.fused_after`)."""
+    return hashlib.sha256(" ".join(neighbour_ids).encode()).hexdigest()[:16]
 
 
 class KVBuffer:

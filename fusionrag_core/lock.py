@@ -14,6 +14,12 @@ lock lives next to the corpus's caches, so every process that can write the cach
 
 A second writer waits up to `wait_s` seconds, then fails with `CorpusLockedError` naming the holder
 (process, host, command, since when). Readers (queries) never take the lock.
+
+Beside the lock, a journal entry (`<store root>/.writer.journal`, or the Redis key
+`<namespace>:journal`, neither of which expires) says an ingest or delete is under way: written when
+it starts, removed when it finishes. Found by the next holder of the lock, it means the last writer
+died mid-way (`interrupted()`): verify then reports the corpus incomplete and keeps the blobs that
+the resumed ingest will use.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from fusionrag_core.errors import CorpusLockedError, FusionRAGError
 from fusionrag_core.store.base import KVStore
 
 LOCK_FILE = ".writer.lock"
+JOURNAL_FILE = ".writer.journal"
 _POLL_S = 0.2
 
 
@@ -76,6 +83,31 @@ class WriterLock(ABC):
             f"cannot {self.action}: {who} is writing to this corpus ({self.where}){waited}; one writer per corpus "
             "at a time: let it finish (or stop it), or wait for it (CLI: --wait SECONDS)"
         )
+
+    def begin(self) -> None:
+        """Record that a write that must finish (ingest, delete) is under way."""
+        self._write_journal(json.dumps(holder_info(self.action)))
+
+    def end(self) -> None:
+        """The write recorded by `begin` finished: clear the record."""
+        self._write_journal(None)
+
+    def interrupted(self) -> dict[str, Any] | None:
+        """Who began a write and died before ending it (read while holding the lock), or None."""
+        raw = self._read_journal()
+        if not raw:
+            return None
+        with contextlib.suppress(ValueError):
+            value = json.loads(raw)
+            if isinstance(value, dict):
+                return value
+        return {"action": "write"}  # NOTE: a record cut short by the crash still means one.
+
+    @abstractmethod
+    def _write_journal(self, value: str | None) -> None: ...
+
+    @abstractmethod
+    def _read_journal(self) -> str | None: ...
 
     @abstractmethod
     def _try_acquire(self) -> bool: ...
@@ -126,6 +158,24 @@ class FileWriterLock(WriterLock):
         with contextlib.suppress(OSError, ValueError):
             value = json.loads(self.path.read_text() or "null")
             return value if isinstance(value, dict) else None
+        return None
+
+    @property
+    def _journal(self) -> Path:
+        return self.path.with_name(JOURNAL_FILE)
+
+    def _write_journal(self, value: str | None) -> None:
+        if value is None:
+            with contextlib.suppress(FileNotFoundError):
+                self._journal.unlink()
+            return
+        tmp = self._journal.with_name(f"{JOURNAL_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(value)
+        os.replace(tmp, self._journal)
+
+    def _read_journal(self) -> str | None:
+        with contextlib.suppress(FileNotFoundError):
+            return self._journal.read_text()
         return None
 
     def release(self) -> None:
@@ -193,6 +243,20 @@ class RedisWriterLock(WriterLock):
                 "and another writer may have taken over); run the command again"
             )
 
+    @property
+    def _journal(self) -> str:
+        return self.key.removesuffix(":writer") + ":journal"
+
+    def _write_journal(self, value: str | None) -> None:
+        if value is None:
+            self._client.delete(self._journal)
+        else:
+            self._client.set(self._journal, value)
+
+    def _read_journal(self) -> str | None:
+        raw = self._client.get(self._journal)
+        return str(raw) if raw else None
+
     def _holder(self) -> dict[str, Any] | None:
         with contextlib.suppress(Exception):
             raw = self._client.get(self.key)
@@ -236,10 +300,27 @@ def writer_lock(store: KVStore, action: str, *, wait_s: float = 0.0, ttl_s: floa
 
 
 @contextlib.contextmanager
-def writing(store: KVStore, action: str, *, wait_s: float = 0.0) -> Iterator[WriterLock]:
-    """`with writing(store, "ingest"): ...` holds the corpus's writer lock for the block."""
+def writing(store: KVStore, action: str, *, wait_s: float = 0.0, journal: bool = False) -> Iterator[WriterLock]:
+    """`with writing(store, "ingest"): ...` holds the corpus's writer lock for the block.
+
+    Args:
+        store: the corpus's KV store.
+        action: what the block does, quoted to other writers.
+        wait_s: how long to wait for another writer.
+        journal: record the block as a write that must finish (`begin`/`end`): a crash inside it
+            leaves the record for `interrupted()`.
+
+    Raises:
+        CorpusLockedError: another writer holds the lock; or this one lost it mid-way (Redis TTL).
+    """
     with writer_lock(store, action, wait_s=wait_s) as lock:
+        if journal:
+            lock.begin()
         yield lock
+        if isinstance(lock, RedisWriterLock):
+            lock.check()
+        if journal:
+            lock.end()
 
 
-__all__ = ["LOCK_FILE", "FileWriterLock", "RedisWriterLock", "WriterLock", "writer_lock", "writing"]
+__all__ = ["JOURNAL_FILE", "LOCK_FILE", "FileWriterLock", "RedisWriterLock", "WriterLock", "writer_lock", "writing"]

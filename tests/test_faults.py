@@ -7,7 +7,13 @@ Every test here failed on the main branch it was written against; each says whic
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -18,15 +24,17 @@ from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core import cli
 from fusionrag_core.corpus import CORPUS_ID_KEY, corpus_id_of
+from fusionrag_core.data import sample_corpus_dir
 from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
+from fusionrag_core.errors import CorpusLockedError, InsufficientSpaceError
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.ingest import IngestConfig
-from fusionrag_core.kv import VARIANTS
+from fusionrag_core.ingest import NEIGHBOURS_KEY, IngestConfig
+from fusionrag_core.kv import VARIANTS, ChunkKV, neighbours_digest
 from fusionrag_core.store import DiskKVStore
 from fusionrag_core.store.disk import QUARANTINE_DIR
 from fusionrag_core.vectordb import RetrievedChunk
-from tests.ingest_worker import tiny_engine
+from tests.ingest_worker import tiny_engine, tokenizer_dir
 from tests.servers import running_chroma_server, running_redis_server
 
 CONFIG = IngestConfig(chunk_tokens=32, neighbors=2)
@@ -180,3 +188,135 @@ def test_chroma_outage_mid_command_is_one_line_exit_2(
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith("fusionrag: error: lost the connection to the Chroma server at " + url), err
+
+
+# ---- defect 3: one writer per corpus; fused caches on the recorded neighbours --------------------
+def test_a_second_writer_is_refused_or_waits_and_nothing_is_lost(engine: FusionEngine, tmp_path: Path) -> None:
+    first = FusionIndex.open(engine, tmp_path, config=CONFIG)
+    second = FusionIndex.open(engine, tmp_path, config=CONFIG)
+    entered, go_on = threading.Event(), threading.Event()
+    put = first.store.put
+
+    def slow_put(chunk_id: str, kv: ChunkKV) -> None:
+        put(chunk_id, kv)
+        entered.set()
+        go_on.wait(30)  # NOTE: the first ingest holds here, blobs stored, Chroma entries not yet added
+
+    first.store.put = slow_put  # type: ignore[method-assign]
+    writer = threading.Thread(target=first.add_texts, args=(CORPUS_A,))
+    writer.start()
+    assert entered.wait(30)
+    with pytest.raises(CorpusLockedError, match=r"cannot ingest: pid .* is writing to this corpus"):
+        second.add_texts(CORPUS_B)  # NOTE: on main it ran, and its orphan sweep took the first's blobs
+    with pytest.raises(CorpusLockedError):
+        second.verify()
+    second.writer_wait_s = 60
+    waiter = threading.Thread(target=second.add_texts, args=(CORPUS_B,))
+    waiter.start()
+    time.sleep(0.5)
+    go_on.set()
+    writer.join()
+    waiter.join()
+    first.store.put = put  # type: ignore[method-assign]
+    assert len(second) == len(CORPUS_A) + len(CORPUS_B)
+    assert second.verify(repair=False).ok
+
+
+def test_verify_finds_a_fused_cache_built_on_other_neighbours(engine: FusionEngine, tmp_path: Path) -> None:
+    index = FusionIndex.open(engine, tmp_path, config=CONFIG)
+    index.add_texts(CORPUS_A + CORPUS_B)
+    row = index.collection.get(limit=1, include=["documents", "metadatas"])
+    victim, text = row["ids"][0], row["documents"][0]  # type: ignore[index]
+    recorded = str(row["metadatas"][0][NEIGHBOURS_KEY]).split()  # type: ignore[index]
+    others = [cid for cid in index.collection.get()["ids"] if cid not in recorded and cid != victim][:2]
+    # NOTE: what a second writer left: a fused cache prefilled after another neighbour list
+    wrong = index.ingestor.builder.fused([(victim, text, [(cid, 0.5) for cid in others])])[0]
+    index.store.put(victim, replace(wrong, fused_after=neighbours_digest(others)))
+    report = index.verify(repair=False)
+    assert report.wrong_neighbours == 1 and not report.ok
+    repaired = index.verify()
+    assert repaired.repaired and repaired.recomputed == 1 and index.verify(repair=False).ok
+
+
+# ---- defect 4: verify after a killed ingest ------------------------------------------------------
+def test_verify_after_a_killed_ingest_says_incomplete_and_keeps_the_work(
+    engine: FusionEngine, tmp_path: Path, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    texts = [p.read_text(encoding="utf-8") for p in sorted(sample_corpus_dir().glob("*.md"))[:3]]
+    config = {"chunk_tokens": 40, "neighbors": 2, "batch_size": 4}
+    (tmp_path / "calls.json").write_text(json.dumps([texts]))
+    data_dir = tmp_path / "killed"
+    worker = subprocess.run(
+        [sys.executable, "-m", "tests.ingest_worker", "--data-dir", str(data_dir),
+         "--tokenizer", str(tokenizer_dir(request.config.cache.mkdir("fusionrag-tokenizer"))),
+         "--texts", str(tmp_path / "calls.json"), "--config", json.dumps(config), "--die-after-fused", "6"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+    )
+    assert worker.returncode == -signal.SIGKILL, worker.stderr[-3000:]
+    index = FusionIndex.open(engine, data_dir)
+    blobs = {v: index.store.list_ids(v) for v in VARIANTS}
+    capsys.readouterr()
+
+    def verify(*flags: str) -> tuple[int, str]:
+        code = cli.main(["--db", str(data_dir), "verify", *flags], engine_factory=lambda _: engine)
+        return code, capsys.readouterr().out
+
+    code, out = verify()
+    assert code == 1 and "INCOMPLETE" in out and "ingest by pid" in out and "Re-run" in out, out
+    assert {v: index.store.list_ids(v) for v in VARIANTS} == blobs, "the killed run's blobs are kept for the resume"
+    resumed = index.add_texts(texts)
+    assert resumed.prefills == resumed.new_chunks - 2, "only the fused caches the killed run had not stored"
+    code, out = verify("--no-repair")
+    assert code == 0 and "OK" in out, out
+
+
+# ---- defect 5b: ingest recomputes a corrupt blob -------------------------------------------------
+def test_reingest_recomputes_a_corrupt_blob_instead_of_skipping_it(engine: FusionEngine, tmp_path: Path) -> None:
+    index = FusionIndex.open(engine, tmp_path, config=CONFIG)
+    index.add_texts(CORPUS_A)
+    victim = index.search(QUESTION, 1)[0].chunk_id
+    store = index.store
+    assert isinstance(store, DiskKVStore)
+    path = store.path_for(victim, "independent")
+    path.write_bytes(path.read_bytes()[:100])
+    report = index.add_texts(CORPUS_A)
+    assert report.prefills >= 2 and report.skipped_chunks == len(CORPUS_A) - 1
+    assert index.verify(repair=False).ok
+
+
+# ---- defect 8: delete and sync ------------------------------------------------------------------
+def test_cli_delete_and_ingest_sync(engine: FusionEngine, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i, text in enumerate(CORPUS_A):
+        (folder / f"d{i}.md").write_text(text)
+    db = ["--db", str(tmp_path / "db")]
+
+    def run(*argv: str) -> int:
+        return cli.main([*db, *argv], engine_factory=lambda _: engine)
+
+    assert run("ingest", "--quiet", "--chunk-tokens", "32", "--neighbors", "2", str(folder)) == 0
+    index = FusionIndex.open(engine, tmp_path / "db")
+    assert len(index.document_ids()) == 3
+    assert run("delete", str(folder / "d0.md")) == 0
+    assert index.document_ids() == {str((folder / f"d{i}.md").resolve()) for i in (1, 2)}
+    assert run("delete", "no-such-doc") == 2
+    (folder / "d1.md").unlink()
+    capsys.readouterr()
+    assert run("ingest", "--quiet", "--sync", str(folder)) == 0
+    assert "--sync: removed 1 document(s)" in capsys.readouterr().out
+    assert index.document_ids() == {str((folder / f"d{i}.md").resolve()) for i in (0, 2)}, "d0 is back: it exists"
+    assert index.verify(repair=False).ok and index.store.list_ids() == set(index.collection.get()["ids"])
+
+
+# ---- defect 9: the resource guard in ingest -----------------------------------------------------
+def test_an_ingest_too_large_for_the_store_is_refused_before_writing(
+    engine: FusionEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    index = FusionIndex.open(engine, tmp_path, config=CONFIG)
+    monkeypatch.setattr(index.store, "free_bytes", lambda: 1000)
+    with pytest.raises(InsufficientSpaceError, match=r"KV caches \(3 chunk\(s\).*\(0\.0 MB free\)"):
+        index.add_texts(CORPUS_A)
+    assert len(index) == 0 and index.store.list_ids() == set()
+    assert index.verify(repair=False).ok, "a refused ingest is not an interrupted one"
+    assert index.add_texts(CORPUS_A, space_check=False).new_chunks == 3

@@ -195,6 +195,8 @@ def encode_blob(chunk_id: str, kv: ChunkKV, storage_dtype: StorageDType) -> byte
         "storage_dtype": storage_dtype,
         "source_dtype": _dtype_name(kv.keys.dtype),
     }
+    if kv.fused_after:
+        metadata["fused_after"] = kv.fused_after  # NOTE: optional: blobs without it stay byte-identical.
     metadata["checksum"] = _checksum(tensors, metadata)
     return st_save(tensors, metadata=metadata)
 
@@ -380,6 +382,7 @@ def _validated(
             positions=tensors["positions"],
             fingerprint=meta.get("fingerprint", ""),
             variant=variant,
+            fused_after=meta.get("fused_after", ""),
         )
     except CacheMismatchError as e:
         # NOTE: the checksum matched, so an inconsistent cache was written that way: still unusable.
