@@ -358,7 +358,8 @@ def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentP
     bench.add_argument("--max-passage-tokens", type=positive_int, metavar="N",
                        help="cut each passage to its first N model tokens (default: whole passages)")
     bench.add_argument("--max-new-tokens", type=positive_int, default=32, help="answer length limit (default: 32)")
-    bench.add_argument("--storage-dtype", choices=("float16", "bfloat16", "float32"), default="float16",
+    bench.add_argument("--storage-dtype", choices=("float16", "bfloat16", "float32", "int8", "float8_e4m3fn"),
+                       default="float16",
                        help="dtype of stored caches (default: float16)")
     bench.add_argument("--out", default="./bench-out", metavar="DIR",
                        help="output directory (default: ./bench-out)")

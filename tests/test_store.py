@@ -313,6 +313,46 @@ def test_truncated_file_is_corrupt(tmp_path: Path) -> None:
         assert str(path) in str(e.value) and "re-run ingest" in str(e.value)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+def test_8bit_storage_round_trips_within_its_precision(make_store: Callable[[str], KVStore], fmt: str) -> None:
+    kv = make_kv(n_tokens=40)
+    kv.keys[0, 1, :, 3] *= 50  # one outlier channel (a rotary dim): per-channel scales keep the rest precise
+    store = make_store(fmt)
+    store.put("ab12", kv)
+    out = store.get("ab12", "independent", fingerprint=FP)
+    assert out.keys.dtype == torch.float32
+    for got, want in ((out.keys, kv.keys), (out.values, kv.values)):
+        # NOTE: int8 rounds to 1/254 of a channel's range; e4m3 keeps ~2 significant bits relative
+        rel = (got - want).abs() / want.abs().amax(dim=2, keepdim=True)
+        assert float(rel.max()) < (0.5 / 127 + 1e-6 if fmt == "int8" else 0.07), fmt
+    small = (out.keys[0, 1, :, 2] - kv.keys[0, 1, :, 2]).abs().max()
+    assert float(small) < 0.1 * float(kv.keys[0, 1, :, 2].abs().max())  # the outlier did not swamp its neighbours
+    as_half = store.get("ab12", "independent", fingerprint=FP, dtype=torch.float16)
+    assert as_half.keys.dtype == torch.float16
+
+
+def test_8bit_blob_is_half_of_float16_and_fully_checked(tmp_path: Path) -> None:
+    kv = make_kv(n_tokens=64)
+    sizes = {}
+    for fmt in ("float16", "int8"):
+        store = DiskKVStore(tmp_path / fmt, storage_dtype=fmt)  # type: ignore[arg-type]
+        store.put("ab12", kv)
+        sizes[fmt] = store.path_for("ab12", "independent").stat().st_size
+    L, H, D = SHAPE
+    kv_bytes = 2 * L * H * 64 * D
+    assert sizes["int8"] - kv_bytes / 2 < sizes["float16"] - kv_bytes  # codes: one byte instead of two
+    store = DiskKVStore(tmp_path / "int8", storage_dtype="int8")
+    path = store.path_for("ab12", "independent")
+    good = path.read_bytes()
+    header_end = 8 + int.from_bytes(good[:8], "little")
+    for offset in range(header_end, len(good), 5):  # codes and scales are covered by the checksum
+        raw = bytearray(good)
+        raw[offset] ^= 0x5A
+        path.write_bytes(bytes(raw))
+        with pytest.raises(CacheCorruptError):
+            store.get("ab12", "independent", fingerprint=FP)
+
+
 def test_flipped_data_byte_is_corrupt(tmp_path: Path) -> None:
     store = DiskKVStore(tmp_path)
     store.put("ab12", make_kv())
@@ -404,7 +444,7 @@ def test_relative_store_root_is_fixed_at_open(tmp_path: Path, monkeypatch: pytes
 
 def test_bad_storage_dtype_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequestError, match="float16"):
-        DiskKVStore(tmp_path, storage_dtype="int8")  # type: ignore[arg-type]
+        DiskKVStore(tmp_path, storage_dtype="int4")  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError):
         open_store(tmp_path / "kv", storage_dtype="fp8")  # type: ignore[arg-type]
 

@@ -3,7 +3,8 @@
 A stored chunk cache is one safetensors blob per `(chunk_id, variant)`:
 
 * tensors `token_ids` `[T]` int64, `keys` `[L, H, T, D]`, `values` `[L, H, T, D]` (both in the
-  store's storage dtype) and `positions` `[T]` int64;
+  store's storage dtype) and `positions` `[T]` int64; 8-bit storage dtypes ("int8",
+  "float8_e4m3fn") add `key_scales` and `value_scales` `[L, H, 1, D]` fp32 (`store/quant.py`);
 * a string→string metadata header with the format name and version, the chunk id, the model
   fingerprint, the variant, the token-ids hash, the shape, the storage and source dtypes and a
   checksum over the header and the tensor bytes (`xxh3_128:<hex>`; blobs written with
@@ -33,8 +34,9 @@ from safetensors.torch import save as st_save
 
 from fusionrag_core.errors import CacheCorruptError, CacheMismatchError, InvalidRequestError
 from fusionrag_core.kv import VARIANTS, ChunkKV, Variant, hash_token_ids
+from fusionrag_core.store.quant import QUANTIZED, dequantize, quantize
 
-StorageDType = Literal["float32", "float16", "bfloat16"]
+StorageDType = Literal["float32", "float16", "bfloat16", "int8", "float8_e4m3fn"]
 STORAGE_DTYPES: tuple[StorageDType, ...] = get_args(StorageDType)
 
 FORMAT_NAME = "fusionrag-kv"
@@ -49,8 +51,11 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    **QUANTIZED,
 }
 _TENSOR_NAMES = ("token_ids", "keys", "values", "positions")
+# NOTE: 8-bit blobs also hold per-channel scales (`store/quant.py`); the checksum covers them too.
+_SCALE_NAMES = ("key_scales", "value_scales")
 # NOTE: ids are content hashes in practice; the charset excludes '.', '/', '\\' and anything else
 # that could escape the store root or make `<chunk_id>.<variant>.safetensors` ambiguous.
 _CHUNK_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -109,6 +114,10 @@ def storage_torch_dtype(storage_dtype: str) -> torch.dtype:
         ) from None
 
 
+def _tensor_names(storage_dtype: str) -> tuple[str, ...]:
+    return _TENSOR_NAMES + _SCALE_NAMES if storage_dtype in QUANTIZED else _TENSOR_NAMES
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -123,7 +132,7 @@ def _checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str], algo: 
     h = _HASHERS[algo]()
     fields = {k: v for k, v in metadata.items() if k != "checksum"}
     h.update(json.dumps(fields, sort_keys=True).encode())
-    for name in _TENSOR_NAMES:
+    for name in _tensor_names(metadata.get("storage_dtype", "")):
         t = tensors[name].contiguous()
         h.update(f"|{name}|{_dtype_name(t.dtype)}|{list(t.shape)}|".encode())
         # NOTE: viewing as uint8 works for every dtype (bfloat16 has no numpy equivalent) and hands
@@ -170,8 +179,13 @@ def encode_blob(chunk_id: str, kv: ChunkKV, storage_dtype: StorageDType) -> byte
     """
     validate_chunk_id(chunk_id)
     target = storage_torch_dtype(storage_dtype)
-    keys = kv.keys.detach().to("cpu", target).contiguous()  # [L, H, T, D]
-    values = kv.values.detach().to("cpu", target).contiguous()  # [L, H, T, D]
+    scales: dict[str, torch.Tensor] = {}
+    if storage_dtype in QUANTIZED:
+        keys, scales["key_scales"] = (t.to("cpu").contiguous() for t in quantize(kv.keys, storage_dtype))
+        values, scales["value_scales"] = (t.to("cpu").contiguous() for t in quantize(kv.values, storage_dtype))
+    else:
+        keys = kv.keys.detach().to("cpu", target).contiguous()  # [L, H, T, D]
+        values = kv.values.detach().to("cpu", target).contiguous()  # [L, H, T, D]
     if target == torch.float16 and kv.keys.dtype != torch.float16 and _overflows_half(kv.keys, kv.values):
         raise InvalidRequestError(
             f"chunk {chunk_id}: K/V values overflow {storage_dtype} (|x| > its max); "
@@ -182,6 +196,7 @@ def encode_blob(chunk_id: str, kv: ChunkKV, storage_dtype: StorageDType) -> byte
         "keys": keys,
         "values": values,
         "positions": kv.positions.detach().to("cpu", torch.int64).contiguous(),  # [T]
+        **scales,  # [L, H, 1, D] fp32 each, 8-bit formats only
     }
     L, H, T, D = keys.shape
     metadata = {
@@ -336,8 +351,9 @@ def _validated(
     dtype: torch.dtype | None,
 ) -> ChunkKV:
     """The cache in a parsed blob, after every check `decode_blob` documents."""
-    if set(tensors) != set(_TENSOR_NAMES):
-        raise _corrupt(source, f"expected tensors {sorted(_TENSOR_NAMES)}, found {sorted(tensors)}")
+    names = _tensor_names(meta.get("storage_dtype", ""))
+    if set(tensors) != set(names):
+        raise _corrupt(source, f"expected tensors {sorted(names)}, found {sorted(tensors)}")
     # NOTE: checksum first: past this point every field is what the writer wrote, so the checks
     # below catch writer bugs and misplaced blobs, not bit rot.
     algo = meta.get("checksum", "").partition(":")[0]
@@ -373,6 +389,17 @@ def _validated(
         raise _corrupt(source, "token_ids/positions are not int64")
     if hash_token_ids(tensors["token_ids"]) != meta.get("token_ids_hash"):
         raise _corrupt(source, "token-ids hash mismatch")
+    target = dtype or source_dtype
+    if storage_name in QUANTIZED:
+        L, H, _, D = keys.shape
+        for name in _SCALE_NAMES:
+            sc = tensors[name]
+            if sc.dtype != torch.float32 or list(sc.shape) != [L, H, 1, D] or not bool(torch.isfinite(sc).all()):
+                raise _corrupt(source, f"{name} must be finite float32 [{L}, {H}, 1, {D}], got {sc.dtype} "
+                                       f"{list(sc.shape)}")
+        # NOTE: decoded on the target device: the codes cross the bus at one byte per value.
+        keys = dequantize(keys, tensors["key_scales"], target, device)
+        values = dequantize(values, tensors["value_scales"], target, device)
 
     try:
         kv = ChunkKV(
@@ -391,7 +418,7 @@ def _validated(
         kv.validate(fingerprint=fingerprint, shape=shape)
     except CacheMismatchError as e:
         raise CacheMismatchError(f"KV cache {source}: {e}") from e
-    return kv.to(device, dtype or source_dtype)
+    return kv.to(device, target)
 
 
 class KVStore(ABC):
@@ -404,8 +431,10 @@ class KVStore(ABC):
     the footprint of float32 caches; its 10-bit mantissa costs ~1e-3 relative error, which is below
     the noise of the fused-cache approximation itself, but its range ends at 65504 (`put` refuses
     caches that would overflow). "bfloat16" keeps the float32 range with ~8e-3 relative error;
-    "float32" is exact for float32 models. `get` casts back to the dtype the cache was computed in
-    unless asked for another.
+    "float32" is exact for float32 models. "int8" and "float8_e4m3fn" store one byte per value
+    with an fp32 scale per (layer, head, dim) channel: half of float16's bytes, decoded on the
+    device the cache is loaded to (README: bytes, load time and first-token KL measured). `get`
+    casts back to the dtype the cache was computed in unless asked for another.
 
     Use as a context manager, or call `close()`.
     """
