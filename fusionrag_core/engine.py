@@ -41,6 +41,7 @@ from fusionrag_core.recompute import recompute
 from fusionrag_core.select import SelectConfig, get_selector
 from fusionrag_core.stitch import CacheLookup, CacheMiss, Stitched, prefetch, stitch
 from fusionrag_core.store.base import is_storable_chunk_id
+from fusionrag_core.store.tiered import TieredKVStore, TierStats
 
 if TYPE_CHECKING:
     from fusionrag_core.store.base import KVStore
@@ -109,6 +110,8 @@ class Generation:
         cache_misses: chunk id -> why its cache was not used (it was prefilled instead).
         cache_variants: reused chunks per cache variant; a missing fused cache falls back to the
             independent one, and this is where that shows.
+        kv_tiers: this request's chunk loads from a store, per tier: `{device,host,store}_hits`
+            and `_bytes` (the device and host tiers are a `TieredKVStore`'s; "store" is the backend).
         audit: the request's quality audit against full attention (see EngineConfig.audit_rate),
             or None when it was not audited.
     """
@@ -127,6 +130,7 @@ class Generation:
     first_token_logits: torch.Tensor
     cache_misses: dict[str, str] = field(default_factory=dict)
     cache_variants: dict[str, int] = field(default_factory=dict)
+    kv_tiers: dict[str, int] = field(default_factory=dict)
     prefilled_tokens: int = 0
     context_tokens: int = 0
     audit: AuditResult | None = None
@@ -161,6 +165,7 @@ class Generation:
             "cache_misses": len(self.cache_misses),
             "fused_chunks": self.cache_variants.get("fused", 0),
             "independent_chunks": self.cache_variants.get("independent", 0),
+            **{f"kv_{k}": v for k, v in self.kv_tiers.items()},
             "audit_kl_first_token": self.audit.kl_first_token if self.audit else None,
             "audit_first_token_agree": self.audit.first_token_agree if self.audit else None,
         }
@@ -340,12 +345,27 @@ class FusionEngine:
 
     def _lookup(
         self, caches: Mapping[str, ChunkKV] | None, variant: Variant, store: KVStore | None, *, exact_first: bool
-    ) -> CacheLookup:
-        """Chunk id -> cache: `caches` first, then `store` (the variant order: see the NOTE below).
+    ) -> tuple[CacheLookup, TierStats]:
+        """Chunk id -> cache: `caches` first, then `store` (the variant order: see the NOTE below),
+        and this request's loads by tier (device / host tier of a `TieredKVStore`, or the store).
 
         `exact_first`: the prompt's prefix is the one chunk caches are computed after, so the first
         chunk's independent cache is exactly what full attention computes there.
         """
+        tiers, tiers_lock = TierStats(), threading.Lock()  # NOTE: this request's loads; prefetch threads add
+
+        def load(chunk_id: str, v: Variant) -> ChunkKV:
+            assert store is not None
+            if isinstance(store, TieredKVStore):
+                kv, tier = store.get_tiered(chunk_id, v, fingerprint=self.fingerprint, shape=self.kv_shape,
+                                            device=self.device, dtype=self.decoder.dtype)
+            else:
+                kv, tier = store.get(chunk_id, v, fingerprint=self.fingerprint, shape=self.kv_shape,
+                                     device=self.device, dtype=self.decoder.dtype), "store"
+            with tiers_lock:
+                tiers.add(tier, kv.nbytes)
+            return kv
+
         def lookup(chunk_id: str, first: bool) -> ChunkKV | CacheMiss | None:
             if caches is not None and chunk_id in caches:
                 kv = caches[chunk_id]
@@ -361,8 +381,7 @@ class FusionEngine:
             miss: CacheMiss | None = None
             for v in order:
                 try:
-                    return store.get(chunk_id, v, fingerprint=self.fingerprint, shape=self.kv_shape,
-                                          device=self.device, dtype=self.decoder.dtype)
+                    return load(chunk_id, v)
                 except CacheNotFoundError:
                     continue
                 except (CacheCorruptError, CacheMismatchError) as e:
@@ -371,7 +390,7 @@ class FusionEngine:
                     miss = miss or reported
             return miss
 
-        return lookup
+        return lookup, tiers
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(
@@ -424,10 +443,10 @@ class FusionEngine:
         select_fn = get_selector(name)
         self._check_length(prompt, sampling)
         exact_first = self.config.exact_first_chunk and torch.equal(prompt.prefix.cpu(), self._canonical_prefix)
-        lookup = self._lookup(caches, variant or self.config.cache_variant, store,
-                              exact_first=exact_first)
+        lookup, tiers = self._lookup(caches, variant or self.config.cache_variant, store,
+                                     exact_first=exact_first)
         return GenerationStream(self._run(prompt, sampling, name, select_fn, select_config, lookup,
-                                          in_memory=caches or (), learn=learn,
+                                          in_memory=caches or (), learn=learn, tiers=tiers,
                                           audit=self.auditor.should_audit()))
 
     def full_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None) -> GenerationStream:
@@ -460,6 +479,7 @@ class FusionEngine:
         in_memory: Container[str] = (),
         learn: LearnFn | None = None,
         audit: bool = False,
+        tiers: TierStats | None = None,
     ) -> Iterator[str | Generation]:
         start = time.perf_counter()
         prefilled = int(prompt.question.shape[0])
@@ -521,6 +541,7 @@ class FusionEngine:
             first_token_logits=first_logits.detach().cpu(),
             cache_misses=dict(st.misses),
             cache_variants=dict(st.variants),
+            kv_tiers=tiers.as_dict() if tiers is not None else {},
             prefilled_tokens=prefilled + recomputed - int(selected.shape[0]) if use_prefix else prompt.num_tokens,
             context_tokens=context,
         )
