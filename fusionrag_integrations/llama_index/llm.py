@@ -1,16 +1,18 @@
 """FusionRAGLLM: a LlamaIndex `CustomLLM` backed by a `FusionEngine`.
 
-Prompts arrive flattened (one string, or chat messages). Chunks marked with
-`fusionrag_core.prompt.mark_chunk` inside them are recognised by the core
-(`FusionEngine.prompt_from_messages`) and their stored caches reused; unmarked text is prefilled.
-`FusionChunkMarker` (marking.py) marks retrieved nodes so the standard response synthesizer
-gets reuse; `FusionRAGQueryEngine` builds the canonical prompt directly instead.
+Prompts arrive flattened (one string, or chat messages). Stored chunks whose text occurs in them
+(ingested with `FusionKVTransform`, or learned) are found by content (`fusionrag_core.recognise`),
+as are `mark_chunk` marks, and their caches reused; other text is prefilled. Nodes the query
+retrieved (seen through LlamaIndex instrumentation, observe.py) that had no cache are learned as
+caches. So the standard `index.as_query_engine(llm=FusionRAGLLM(...))` gets reuse with its default
+synthesizer and templates; `FusionRAGQueryEngine` builds the canonical prompt directly instead.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -28,12 +30,18 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.prompts import BasePromptTemplate
 
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.learn import DEFAULT_MAX_BYTES, LearnConfig, LearnedCaches, open_learned
+from fusionrag_core.paths import DEFAULT_DATA_DIR, learned_dir
 from fusionrag_core.prompt import FusionPrompt, clean_output
+from fusionrag_core.reuse import ReuseMonitor, ReuseSources
+from fusionrag_core.stitch import Stitched
 from fusionrag_core.store import KVStore, open_store
 from fusionrag_integrations.llama_index.aio import call_in_thread, iterate_in_thread
+from fusionrag_integrations.llama_index.observe import record_call, retrieved_texts
 from fusionrag_integrations.request import check_call_options, generation_stats, request_options, text_pieces
 
 # Per-call keyword arguments `complete`/`chat` accept (they override the LLM's fields for one call).
@@ -71,10 +79,17 @@ class FusionRAGLLM(CustomLLM):
     stop: list[str] = Field(default_factory=list, description="Stop strings (excluded from the text).")
     selector: str | None = Field(default=None, description="Recompute selector (None: the engine's default).")
     ratio: float | None = Field(default=None, description="Recompute ratio (None: the engine's default).")
+    learn: bool = Field(default=True, description="Keep the K/V of the query's retrieved nodes found in a prompt "
+                        "without a cache as their caches (reused from the next prompt that holds them).")
+    learned_dir: str | None = Field(default=None, description="Directory of learned caches (None: "
+                                    "./fusionrag-data/learned/<model fingerprint>).")
+    learned_max_bytes: int = Field(default=DEFAULT_MAX_BYTES, gt=0, description="Bound of the learned caches in "
+                                   "bytes; the least recently used go first.")
 
     _engine: FusionEngine | None = PrivateAttr(default=None)
     _store: KVStore | None = PrivateAttr(default=None)
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+    _monitor: ReuseMonitor | None = PrivateAttr(default=None)
 
     def __init__(self, *, engine: FusionEngine | None = None, **data: Any) -> None:
         """Build the LLM; with `engine=`, the model/device/dtype fields must stay unset (`store` may be set).
@@ -126,6 +141,53 @@ class FusionRAGLLM(CustomLLM):
             is_chat_model=engine.layout.has_template,
         )
 
+    # ---- where caches come from -------------------------------------------------------------------
+    def reuse_sources(self) -> ReuseSources:
+        """This call's caches: the KV store at `store` (ingested), then learned caches."""
+        return ReuseSources(self.kv_store, self._learned(create=False), learning=self.learn)
+
+    def _learned(self, *, create: bool) -> LearnedCaches | None:
+        """The learned caches, or None when learning is off (or, unless `create`, none exist yet)."""
+        if not self.learn:
+            return None
+        engine = self.engine
+        root = learned_dir(DEFAULT_DATA_DIR, engine.fingerprint)
+        if self.learned_dir:
+            root = Path(self.learned_dir).expanduser()
+        if not create and not (root / "lru.sqlite").exists():
+            return None
+        return open_learned(root, engine.fingerprint, LearnConfig(max_bytes=self.learned_max_bytes))
+
+    def _learn(self, prompt: FusionPrompt, st: Stitched) -> None:
+        learned = self._learned(create=True)
+        if learned is not None and any(prompt.segments[i].learn for i, _ in st.missed):
+            learned.learn(prompt, st)
+
+    def _messages_prompt(self, messages: Sequence[dict[str, str]]) -> FusionPrompt:
+        """Chunks found by mark or content; the query's retrieved nodes (instrumentation) are learnable."""
+        documents = retrieved_texts() if self.learn else []
+        return self.reuse_sources().prompt(self.engine, messages, documents)
+
+    def _finished(self, prompt: FusionPrompt, generation: Generation, sources: KVStore | None) -> dict[str, Any]:
+        """The call's metadata; recorded for the response of the query it belongs to; warns (once)
+        when context was reused nowhere."""
+        meta = generation_metadata(generation)
+        record_call(meta)
+        if isinstance(sources, ReuseSources):
+            engine = self.engine  # NOTE: before taking the lock: loading takes it too
+            with self._lock:
+                if self._monitor is None:
+                    self._monitor = ReuseMonitor(engine.name)
+                monitor = self._monitor
+            monitor.check(engine, prompt, generation, sources)
+        return meta
+
+    def _get_prompt(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
+        return super()._get_prompt(prompt, **_as_text(prompt_args))
+
+    def _get_messages(self, prompt: BasePromptTemplate, **prompt_args: Any) -> list[ChatMessage]:
+        return super()._get_messages(prompt, **_as_text(prompt_args))
+
     # ---- the engine call shared by every entry point --------------------------------------------
     def stream_prompt(
         self, prompt: FusionPrompt, *, store: KVStore | None = None, **overrides: Any
@@ -134,7 +196,8 @@ class FusionRAGLLM(CustomLLM):
 
         Args:
             prompt: from `engine.prompt(...)` or `engine.prompt_from_messages(...)`.
-            store: where to look chunk caches up for this call (default `kv_store`).
+            store: where to look chunk caches up for this call (default `reuse_sources()`: the
+                store at `kv_store`, then learned caches, which this call may add to).
             **overrides: any of `GENERATION_KWARGS`, for this call only.
 
         Raises:
@@ -142,7 +205,10 @@ class FusionRAGLLM(CustomLLM):
         """
         check_call_options(overrides, GENERATION_KWARGS, owner="FusionRAGLLM")
         options = request_options({**{k: getattr(self, k) for k in GENERATION_KWARGS}, **overrides})
-        return options.stream(self.engine, prompt, store=store if store is not None else self.kv_store)
+        learn = None
+        if store is None:
+            store, learn = self.reuse_sources(), self._learn if self.learn else None
+        return options.stream(self.engine, prompt, store=store, learn=learn)
 
     # ---- completion ------------------------------------------------------------------------------
     def _completion_prompt(self, prompt: str, formatted: bool) -> FusionPrompt:
@@ -154,7 +220,7 @@ class FusionRAGLLM(CustomLLM):
             if self.system_prompt:
                 messages.append({"role": "system", "content": self.system_prompt})
         messages.append({"role": "user", "content": prompt})
-        return self.engine.prompt_from_messages(messages)
+        return self._messages_prompt(messages)
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -164,7 +230,7 @@ class FusionRAGLLM(CustomLLM):
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         """Like `complete`, streaming: cumulative `text`, new `delta`; the last response carries the stats."""
-        return _completion_responses(self.stream_prompt(self._completion_prompt(prompt, formatted), **kwargs))
+        return self._stream_completion(prompt, formatted, kwargs)
 
     # NOTE: the async entry points run the engine in a worker thread, so the event loop keeps
     # running during a generation; each is decorated once (CustomLLM's fallbacks call the decorated
@@ -179,18 +245,24 @@ class FusionRAGLLM(CustomLLM):
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
         """`stream_complete`, off the event loop: each piece reaches the loop as soon as it is decoded."""
-        return iterate_in_thread(
-            lambda: _completion_responses(self.stream_prompt(self._completion_prompt(prompt, formatted), **kwargs))
-        )
+        return iterate_in_thread(lambda: self._stream_completion(prompt, formatted, kwargs))
 
     def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
-        generation = self.stream_prompt(self._completion_prompt(prompt, formatted), **kwargs).collect()
-        meta = generation_metadata(generation)
-        return CompletionResponse(text=clean_output(generation.text), additional_kwargs=meta, raw=meta)
+        request = self._completion_prompt(prompt, formatted)
+        stream = self.stream_prompt(request, **kwargs)
+        meta = self._finished(request, stream.collect(), self.reuse_sources())
+        assert stream.result is not None
+        return CompletionResponse(text=clean_output(stream.result.text), additional_kwargs=meta, raw=meta)
+
+    def _stream_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
+        request = self._completion_prompt(prompt, formatted)
+        stream = self.stream_prompt(request, **kwargs)
+        for text, delta, meta in _accumulate(stream, lambda g: self._finished(request, g, self.reuse_sources())):
+            yield CompletionResponse(text=text, delta=delta, additional_kwargs=meta, raw=meta or None)
 
     # ---- chat ------------------------------------------------------------------------------------
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> FusionPrompt:
-        return self.engine.prompt_from_messages([_message_dict(m) for m in messages])
+        return self._messages_prompt([_message_dict(m) for m in messages])
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -200,7 +272,7 @@ class FusionRAGLLM(CustomLLM):
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         """Like `chat`, streaming: cumulative message content, new `delta`; the last response carries the stats."""
-        return _chat_responses(self.stream_prompt(self._chat_prompt(messages), **kwargs))
+        return self._stream_chat(messages, kwargs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -210,13 +282,21 @@ class FusionRAGLLM(CustomLLM):
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         """`stream_chat`, off the event loop: each piece reaches the loop as soon as it is decoded."""
-        return iterate_in_thread(lambda: _chat_responses(self.stream_prompt(self._chat_prompt(messages), **kwargs)))
+        return iterate_in_thread(lambda: self._stream_chat(messages, kwargs))
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        generation = self.stream_prompt(self._chat_prompt(messages), **kwargs).collect()
-        meta = generation_metadata(generation)
+        request = self._chat_prompt(messages)
+        generation = self.stream_prompt(request, **kwargs).collect()
+        meta = self._finished(request, generation, self.reuse_sources())
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=clean_output(generation.text)),
                             additional_kwargs=meta, raw=meta)
+
+    def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
+        request = self._chat_prompt(messages)
+        stream = self.stream_prompt(request, **kwargs)
+        for text, delta, meta in _accumulate(stream, lambda g: self._finished(request, g, self.reuse_sources())):
+            yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
+                               additional_kwargs=meta, raw=meta or None)
 
 
 def _message_dict(message: ChatMessage) -> dict[str, str]:
@@ -235,23 +315,24 @@ def _message_dict(message: ChatMessage) -> dict[str, str]:
     return {"role": message.role.value, "content": content}
 
 
-def _completion_responses(stream: GenerationStream) -> CompletionResponseGen:
-    for text, delta, meta in _accumulate(stream):
-        yield CompletionResponse(text=text, delta=delta, additional_kwargs=meta, raw=meta or None)
+def _as_text(prompt_args: dict[str, Any]) -> dict[str, Any]:
+    """Template arguments with lists of strings joined as text.
+
+    NOTE: LlamaIndex's simple_summarize synthesizer passes `context_str` as a one-element list, which
+    a template renders as its Python repr (escaped newlines and quotes): the model would read
+    escaped text, and no stored chunk could be found in it.
+    """
+    return {k: "\n\n".join(v) if isinstance(v, list | tuple) and all(isinstance(x, str) for x in v) else v
+            for k, v in prompt_args.items()}
 
 
-def _chat_responses(stream: GenerationStream) -> ChatResponseGen:
-    for text, delta, meta in _accumulate(stream):
-        yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
-                           additional_kwargs=meta, raw=meta or None)
-
-
-def _accumulate(stream: GenerationStream) -> Iterator[tuple[str, str, dict[str, Any]]]:
+def _accumulate(stream: GenerationStream,
+                finished: Callable[[Generation], dict[str, Any]]) -> Iterator[tuple[str, str, dict[str, Any]]]:
     """`(text so far, delta, metadata)` per piece, then a final `(text, "", stats)` once the stream ends."""
     text = ""
     for piece in text_pieces(stream):
         if isinstance(piece, Generation):
-            yield text, "", generation_metadata(piece)
+            yield text, "", finished(piece)
         else:
             text += piece
             yield text, piece, {}
