@@ -192,6 +192,29 @@ class GenerationStream:
         return self.result
 
 
+@dataclass
+class Prepared:
+    """A request prepared up to its first token: what decoding continues from.
+
+    Attributes:
+        prompt: the request.
+        stitched: the KV buffer (prefix, re-rotated chunk caches, recomputed tokens, question),
+            with room for the new tokens.
+        first_logits: `[V]` logits of the first generated position.
+        selected_tokens: chunk tokens the selector chose to recompute.
+        prefilled_tokens: prompt tokens computed afresh (question, uncached prefix and chunks, selected).
+        selector / ratio: as the Generation reports them.
+    """
+
+    prompt: FusionPrompt
+    stitched: Stitched
+    first_logits: torch.Tensor
+    selected_tokens: int
+    prefilled_tokens: int
+    selector: str
+    ratio: float | None
+
+
 class FusionEngine:
     """Fused-cache reuse with query-guided selective recompute over a Llama-family model.
 
@@ -481,7 +504,26 @@ class FusionEngine:
         audit: bool = False,
         tiers: TierStats | None = None,
     ) -> Iterator[str | Generation]:
+        # NOTE: a generator, so nothing runs (and the TTFT clock does not start) until iterated.
         start = time.perf_counter()
+        prepared = self._prepare(prompt, sampling, name, select_fn, select_config, lookup,
+                                 use_prefix=use_prefix, in_memory=in_memory)
+        yield from self._decode(prepared, sampling, start, learn, audit, tiers)
+
+    def _prepare(
+        self,
+        prompt: FusionPrompt,
+        sampling: SamplingConfig,
+        name: str,
+        select_fn: Callable[..., torch.Tensor],
+        select_config: SelectConfig,
+        lookup: CacheLookup,
+        *,
+        use_prefix: bool,
+        in_memory: Container[str],
+    ) -> Prepared:
+        """Request preparation: stitch (caches re-rotated into one buffer) -> select -> recompute,
+        up to the first generated position's logits."""
         prefilled = int(prompt.question.shape[0])
         if use_prefix:
             lookup = prefetch(prompt, lookup, self._loader, inline=in_memory)
@@ -495,8 +537,31 @@ class FusionEngine:
         budget = select_config.budget(st.num_reused_tokens)
         selected = select_fn(st, budget, select_config)
         first_logits, recomputed = recompute(st, selected)
+        num_selected = int(selected.shape[0])
+        return Prepared(
+            prompt=prompt,
+            stitched=st,
+            first_logits=first_logits,
+            selected_tokens=num_selected,
+            prefilled_tokens=prefilled + recomputed - num_selected if use_prefix else prompt.num_tokens,
+            selector=name,
+            ratio=select_config.ratio if name not in ("none", "all", "full_attention") else None,
+        )
+
+    def _decode(
+        self,
+        prepared: Prepared,
+        sampling: SamplingConfig,
+        start: float,
+        learn: LearnFn | None,
+        audit: bool,
+        tiers: TierStats | None,
+    ) -> Iterator[str | Generation]:
+        """Decoding: sample from the prepared logits, one cached step per token, stream text pieces,
+        then the finished Generation."""
+        prompt, st = prepared.prompt, prepared.stitched
         sampler = Sampler(sampling, prompt.token_ids(), tokenizer=self.tokenizer, eos_ids=self.eos_ids)
-        token = sampler(first_logits)
+        token = sampler(prepared.first_logits)
         ttft = time.perf_counter() - start
 
         assembler = TextAssembler(self.tokenizer, sampling.stop)
@@ -524,7 +589,6 @@ class FusionEngine:
             yield tail
         if learn is not None and st.missed:
             learn(prompt, st)  # NOTE: after decoding: what it stores never delays the answer
-        reused = st.num_reused_tokens - int(selected.shape[0])
         context = prompt.num_tokens - int(prompt.prefix.shape[0]) - int(prompt.question.shape[0])
         generation = Generation(
             text=assembler.text,
@@ -533,16 +597,16 @@ class FusionEngine:
             ttft_s=ttft,
             total_s=time.perf_counter() - start,
             prompt_tokens=prompt.num_tokens,
-            reused_tokens=reused,
-            recomputed_tokens=int(selected.shape[0]),
-            selector=name,
-            ratio=select_config.ratio if name not in ("none", "all", "full_attention") else None,
+            reused_tokens=st.num_reused_tokens - prepared.selected_tokens,
+            recomputed_tokens=prepared.selected_tokens,
+            selector=prepared.selector,
+            ratio=prepared.ratio,
             kv_bytes_loaded=st.kv_bytes_loaded,
-            first_token_logits=first_logits.detach().cpu(),
+            first_token_logits=prepared.first_logits.detach().cpu(),
             cache_misses=dict(st.misses),
             cache_variants=dict(st.variants),
             kv_tiers=tiers.as_dict() if tiers is not None else {},
-            prefilled_tokens=prefilled + recomputed - int(selected.shape[0]) if use_prefix else prompt.num_tokens,
+            prefilled_tokens=prepared.prefilled_tokens,
             context_tokens=context,
         )
         if audit:  # NOTE: the answer has streamed; only the final statistics wait for the audit
@@ -561,7 +625,6 @@ class FusionEngine:
     def audit_summary(self) -> dict[str, Any]:
         """Live audit totals over the engine's life (see `fusionrag_core.audit.Auditor.summary`)."""
         return self.auditor.summary()
-
 
 
 __all__ = ["ChunkInput", "EngineConfig", "FusionEngine", "Generation", "GenerationStream", "LearnFn"]
