@@ -98,7 +98,6 @@ def test_ray_ingest_equals_local_ingest(engine: FusionEngine, docs: list[str], r
         remote_report = ingestor.add(docs, doc_ids=[f"d{i}" for i in range(len(docs))])
         _check_same_corpus(engine, local, remote, local_report, remote_report)
         _check_resume(remote, ingestor, docs)
-    engine.store = None
 
 
 def _check_same_corpus(engine: FusionEngine, local: FusionIndex, remote: FusionIndex, local_report: IngestReport,
@@ -140,7 +139,6 @@ def test_ray_workers_must_build_the_drivers_model(engine: FusionEngine, docs: li
     with pytest.raises(CacheMismatchError, match="fingerprint"):
         index.add_texts(docs[:1], ray=other)
     assert len(index) == 0 and not index.store.list_ids()
-    engine.store = None
 
 
 def test_ray_needs_a_shared_store() -> None:
