@@ -677,7 +677,17 @@ class Ingestor:
         problems.report.incomplete = interrupted
         if repair and not problems.report.ok and not interrupted:
             self.repair(problems)
+        if repair and not interrupted:
+            self._index_texts()
         return problems.report
+
+    def _index_texts(self) -> None:
+        """Record every chunk's text in the store's content index (corpora ingested before it existed
+        then get chunks found by content too; already indexed chunks are rewritten unchanged)."""
+        if content_index_for(self.store) is None:
+            return
+        for page in vectordb.scan(self.collection, ["documents"]):
+            index_content(self.store, [(cid, row.text) for cid, row in page.items() if row.text])
 
     def find_problems(self) -> Problems:
         """Read-only: what disagrees between the collection and the store (every blob is loaded)."""

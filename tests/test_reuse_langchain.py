@@ -26,6 +26,7 @@ from fusionrag_core.compat import tokenize_plain
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.index import FusionIndex, IngestConfig
 from fusionrag_core.prompt import MARK_CLOSE, MARK_OPEN, MARK_SEP, mark_chunk
+from fusionrag_core.recognise import content_index_for
 from fusionrag_core.store import DiskKVStore
 from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGRetriever
 
@@ -147,3 +148,17 @@ def test_no_reuse_warns_once_per_model_with_the_cause(engine: FusionEngine, tmp_
             (SYSTEM_PROMPT | llm).invoke({"context": context, "question": QUESTION})
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "reused no KV cache" in warnings[0] and "ingest" in warnings[0]
+
+
+def test_verify_indexes_the_texts_of_a_corpus_ingested_without_a_content_index(engine: FusionEngine,
+                                                                               tmp_path: Path) -> None:
+    index = FusionIndex.open(engine, tmp_path, config=IngestConfig(chunk_tokens=48, neighbors=1))
+    index.add_texts(TEXTS[:2])
+    content = content_index_for(index.store)
+    assert content is not None
+    prompt = "\n\n".join(TEXTS[:2]) + "\n\nQ"
+    assert len(content.find(prompt)) == 2
+    content.remove(index.store.list_ids())  # as a corpus ingested before content indexing existed
+    assert content.find(prompt) == []
+    index.verify()
+    assert sorted(m.chunk_id for m in content.find(prompt)) == sorted(index.store.list_ids())
