@@ -41,6 +41,7 @@ from fusionrag_core.reuse import ReuseMonitor, ReuseSources
 from fusionrag_core.stitch import Stitched
 from fusionrag_core.store import KVStore, open_store
 from fusionrag_integrations.llama_index.aio import call_in_thread, iterate_in_thread
+from fusionrag_integrations.llama_index.calls import record
 from fusionrag_integrations.llama_index.observe import record_call, retrieved_texts
 from fusionrag_integrations.request import check_call_options, generation_stats, request_options, text_pieces
 
@@ -91,8 +92,10 @@ class FusionRAGLLM(CustomLLM):
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
     _monitor: ReuseMonitor | None = PrivateAttr(default=None)
 
-    def __init__(self, *, engine: FusionEngine | None = None, **data: Any) -> None:
+    def __init__(self, *, engine: FusionEngine | None = None, kv_store: KVStore | None = None, **data: Any) -> None:
         """Build the LLM; with `engine=`, the model/device/dtype fields must stay unset (`store` may be set).
+
+        `kv_store`: an open KV store to read caches from (instead of opening `store`).
 
         Raises:
             InvalidRequestError: `engine=` given together with loading options.
@@ -103,8 +106,11 @@ class FusionRAGLLM(CustomLLM):
                 f"FusionRAGLLM got engine= and {', '.join(loading)}=; those options load a model: drop them to use "
                 "the given engine, or drop engine= to load lazily"
             )
+        if kv_store is not None and data.get("store") is not None:
+            raise InvalidRequestError("FusionRAGLLM got kv_store= and store=; pass one")
         super().__init__(**data)
         self._engine = engine
+        self._store = kv_store
 
     @classmethod
     def class_name(cls) -> str:
@@ -173,6 +179,7 @@ class FusionRAGLLM(CustomLLM):
         when context was reused nowhere."""
         meta = generation_metadata(generation)
         record_call(meta)
+        record(meta)  # NOTE: a streamed query's statistics (its synthesis span has ended by now)
         if isinstance(sources, ReuseSources):
             engine = self.engine  # NOTE: before taking the lock: loading takes it too
             with self._lock:

@@ -1,52 +1,56 @@
-"""FusionRAGQueryEngine: retrieve, then answer over the retrieved chunks' fused caches.
+"""FusionRAGQueryEngine: LlamaIndex's `RetrieverQueryEngine`, wired for fused-cache reuse.
 
-The canonical FusionRAG request is built straight from the retrieved nodes
-(`engine.prompt(question, chunks=[(node_id, text), ...])`): the chunk caches are looked up by node
-id, re-rotated to their prompt positions, and the chunk tokens the question attends to most are
-recomputed with it (query-guided selective recompute). No text template sits in between, so the
-answer is exactly what `FusionEngine.generate` gives for the same question and chunks.
+Retriever (a FusionIndex or a vector store filled by `FusionKVTransform`) -> the user's node
+postprocessors -> `FusionChunkMarker` (marks each node's text with its chunk id) -> a standard
+response synthesizer (any `response_mode`, the user's templates, streaming) -> `FusionRAGLLM`,
+which recognises the marked chunks in the prompt and reuses their caches. With the default
+`fusion_text_qa_template` and "compact" mode, the prompt is the canonical FusionRAG prompt, so the
+answer is what `FusionEngine.generate` gives for the same question and chunks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
-from llama_index.core.base.response.schema import Response, StreamingResponse
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
-from llama_index.core.query_engine.custom import CustomQueryEngine
-from llama_index.core.schema import MetadataMode, NodeWithScore
+from llama_index.core.base.response.schema import RESPONSE_TYPE, StreamingResponse
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.core.response_synthesizers import BaseSynthesizer, ResponseMode, get_response_synthesizer
+from llama_index.core.response_synthesizers.context_only import ContextOnly
+from llama_index.core.response_synthesizers.no_text import NoText
+from llama_index.core.schema import QueryBundle
 from llama_index.core.vector_stores.types import BasePydanticVectorStore
 
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.prompt import FusionPrompt
-from fusionrag_core.store import KVStore
-from fusionrag_integrations.llama_index.llm import FusionRAGLLM, clean_output, generation_metadata
+from fusionrag_integrations.llama_index.calls import recording
+from fusionrag_integrations.llama_index.llm import FusionRAGLLM
+from fusionrag_integrations.llama_index.marking import FusionChunkMarker, fusion_text_qa_template
+from fusionrag_integrations.llama_index.observe import combined
 from fusionrag_integrations.llama_index.retriever import FusionRAGRetriever
 
 if TYPE_CHECKING:
     from fusionrag_core.index import FusionIndex
 
+_NO_LLM_MODES: dict[ResponseMode, type[BaseSynthesizer]] = {ResponseMode.NO_TEXT: NoText,
+                                                            ResponseMode.CONTEXT_ONLY: ContextOnly}
 
-class FusionRAGQueryEngine(CustomQueryEngine):
-    """Retrieve → fused caches → query-guided recompute → `Response` (or `StreamingResponse`).
 
-    `Response.metadata` holds `generation_metadata` (TTFT, reused/recomputed tokens, cache misses);
-    for a `StreamingResponse` the same dict is filled in once the stream is exhausted.
+class FusionRAGQueryEngine(RetrieverQueryEngine):
+    """A `RetrieverQueryEngine` whose synthesizer prompts reuse the retrieved chunks' caches.
+
+    `Response.metadata` is RetrieverQueryEngine's (node id -> node metadata) plus the statistics
+    of the query's LLM calls combined (`observe.combined`: counts summed, `llm_calls`; refine and
+    tree_summarize make several). For a `StreamingResponse` they fill in once it is exhausted.
 
     Example:
-        >>> qe = FusionRAGQueryEngine.from_index(index)
+        >>> qe = FusionRAGQueryEngine.from_index(index, response_mode="compact", streaming=False)
         >>> response = qe.query("Who designed the lighthouse?")
-        >>> response.metadata["reused_tokens"], [n.node_id for n in response.source_nodes]
+        >>> response.metadata["reused_tokens"], response.metadata["llm_calls"]
     """
-
-    retriever: BaseRetriever = Field(description="Returns nodes whose node_id is a chunk id.")
-    llm: FusionRAGLLM = Field(description="Engine and generation settings; its engine's store holds the caches.")
-    streaming: bool = Field(default=False, description="Return a StreamingResponse.")
-
-    _store: KVStore | None = PrivateAttr(default=None)
 
     @classmethod
     def from_index(
@@ -55,16 +59,23 @@ class FusionRAGQueryEngine(CustomQueryEngine):
         *,
         llm: FusionRAGLLM | None = None,
         similarity_top_k: int = 4,
-        streaming: bool = False,
+        **kwargs: Any,
     ) -> FusionRAGQueryEngine:
-        """Query a FusionIndex (its engine answers unless `llm` is given); caches come from the index's store."""
-        query_engine = cls(
-            retriever=FusionRAGRetriever.from_index(index, similarity_top_k=similarity_top_k),
-            llm=llm or FusionRAGLLM(engine=index.engine),
-            streaming=streaming,
-        )
-        query_engine._store = index.store
-        return query_engine
+        """Query a FusionIndex: its engine answers (unless `llm` is given), its KV store holds the caches.
+
+        Args:
+            index: the FusionIndex the chunks were ingested into.
+            llm: generation settings; without its own store it reads the index's.
+            similarity_top_k: how many chunks to retrieve.
+            **kwargs: as `from_retriever` (response_mode, node_postprocessors, text_qa_template, ...).
+        """
+        if llm is None:
+            llm = FusionRAGLLM(engine=index.engine, kv_store=index.store)
+        elif llm.kv_store is None:
+            llm = llm.model_copy()
+            llm._store = index.store  # NOTE: a copy: the caller's LLM keeps reading nothing
+        return cls.from_retriever(FusionRAGRetriever.from_index(index, similarity_top_k=similarity_top_k), llm,
+                                  **kwargs)
 
     @classmethod
     def from_vector_store(
@@ -74,49 +85,112 @@ class FusionRAGQueryEngine(CustomQueryEngine):
         *,
         embed_model: BaseEmbedding | None = None,
         similarity_top_k: int = 4,
-        streaming: bool = False,
+        **kwargs: Any,
     ) -> FusionRAGQueryEngine:
-        """Query a vector store filled through `FusionKVTransform`; `llm.kv_store` must hold its caches."""
-        return cls(
-            retriever=FusionRAGRetriever.from_vector_store(
-                vector_store, embed_model=embed_model, similarity_top_k=similarity_top_k
-            ),
-            llm=llm,
-            streaming=streaming,
-        )
-
-    def custom_query(self, query_str: str) -> Response | StreamingResponse:
-        """Answer `query_str` from the retrieved chunks, reusing their caches.
+        """Query a vector store filled through `FusionKVTransform`; `llm.kv_store` must hold its caches.
 
         Raises:
-            InvalidRequestError: there is no KV store to find chunk caches in.
+            InvalidRequestError: `llm` has no KV store to find the caches in.
         """
-        store = self._store if self._store is not None else self.llm.kv_store
-        if store is None:
+        if llm.kv_store is None:
             raise InvalidRequestError(
                 "FusionRAGQueryEngine has no KV store to find chunk caches in: build FusionRAGLLM(store=...) with the "
                 "store FusionKVTransform wrote to, or use FusionRAGQueryEngine.from_index(index)"
             )
-        nodes = self.retriever.retrieve(query_str)
-        stream = self.llm.stream_prompt(self._prompt(query_str, nodes), store=store)
-        if not self.streaming:
-            generation = stream.collect()
-            return Response(clean_output(generation.text), source_nodes=nodes, metadata=generation_metadata(generation))
-        metadata: dict[str, Any] = {}
+        retriever = FusionRAGRetriever.from_vector_store(vector_store, embed_model=embed_model,
+                                                         similarity_top_k=similarity_top_k)
+        return cls.from_retriever(retriever, llm, **kwargs)
 
-        def pieces() -> Generator[str, None, None]:
-            for piece in stream:
-                yield clean_output(piece)
-            assert stream.result is not None  # NOTE: set once the stream is exhausted.
-            metadata.update(generation_metadata(stream.result))
+    @classmethod
+    def from_retriever(
+        cls,
+        retriever: BaseRetriever,
+        llm: FusionRAGLLM,
+        *,
+        response_mode: ResponseMode | str = ResponseMode.COMPACT,
+        node_postprocessors: Sequence[BaseNodePostprocessor] | None = None,
+        text_qa_template: BasePromptTemplate | None = None,
+        refine_template: BasePromptTemplate | None = None,
+        summary_template: BasePromptTemplate | None = None,
+        streaming: bool = False,
+        response_synthesizer: BaseSynthesizer | None = None,
+        **synthesizer_kwargs: Any,
+    ) -> FusionRAGQueryEngine:
+        """Build on any retriever whose node ids are chunk ids.
 
-        return StreamingResponse(response_gen=pieces(), source_nodes=nodes, metadata=metadata)
+        Args:
+            retriever: returns nodes whose node_id is a chunk id.
+            llm: the FusionRAGLLM that answers.
+            response_mode: any LlamaIndex response mode ("compact", "refine", "tree_summarize",
+                "simple_summarize", "accumulate", "compact_accumulate", "generation", "no_text",
+                "context_only").
+            node_postprocessors: run before the chunk marker (rerankers, filters...).
+            text_qa_template: default `fusion_text_qa_template()` (the canonical FusionRAG layout).
+            refine_template, summary_template, streaming, **synthesizer_kwargs: as
+                `get_response_synthesizer`.
+            response_synthesizer: a ready synthesizer instead (then the arguments above that
+                configure one must stay unset).
 
-    def _prompt(self, question: str, nodes: list[NodeWithScore]) -> FusionPrompt:
-        # NOTE: the cache of a chunk was computed on its text without metadata; the same text here
-        # gives the same token ids, which the engine checks before reusing a cache.
-        chunks = [(n.node.node_id, n.node.get_content(metadata_mode=MetadataMode.NONE)) for n in nodes]
-        return self.llm.engine.prompt(question, chunks=chunks)
+        Raises:
+            InvalidRequestError: both a synthesizer and arguments to build one.
+        """
+        if response_synthesizer is not None:
+            configured = [name for name, value in (("text_qa_template", text_qa_template),
+                                                    ("refine_template", refine_template),
+                                                    ("summary_template", summary_template),
+                                                    ("streaming", streaming or None)) if value is not None]
+            if configured or synthesizer_kwargs or response_mode != ResponseMode.COMPACT:
+                raise InvalidRequestError(
+                    f"pass either response_synthesizer= or the arguments that build one "
+                    f"({', '.join(configured + sorted(synthesizer_kwargs)) or 'response_mode'}), not both"
+                )
+        elif ResponseMode(response_mode) in _NO_LLM_MODES:
+            # NOTE: LlamaIndex's factory builds these without the llm, and they then resolve
+            # Settings.llm (OpenAI by default) though they never call it.
+            response_synthesizer = _NO_LLM_MODES[ResponseMode(response_mode)](llm=llm, streaming=streaming)
+        else:
+            response_synthesizer = get_response_synthesizer(
+                llm=llm,
+                response_mode=ResponseMode(response_mode),
+                text_qa_template=text_qa_template or fusion_text_qa_template(llm.engine.config.instruction),
+                refine_template=refine_template,
+                summary_template=summary_template,
+                streaming=streaming,
+                **synthesizer_kwargs,
+            )
+        # NOTE: the marker runs last: a postprocessor that reads or rewrites node text sees it unmarked.
+        postprocessors = [*(node_postprocessors or []), FusionChunkMarker()]
+        return cls(retriever=retriever, response_synthesizer=response_synthesizer,
+                   node_postprocessors=postprocessors)
+
+    def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
+        return _stream_statistics(super()._query(query_bundle))
+
+    async def _aquery(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
+        return _stream_statistics(await super()._aquery(query_bundle))
+
+
+def _stream_statistics(response: RESPONSE_TYPE) -> RESPONSE_TYPE:
+    """A streamed response whose metadata gains its LLM calls' statistics once it is consumed.
+
+    A non-streamed response already has them (observe.py, at the end of synthesis); a stream's
+    LLM calls run only as it is read, so they are recorded here, into this response's list.
+    """
+    if not isinstance(response, StreamingResponse) or response.response_gen is None:
+        return response
+    pieces = response.response_gen
+    metadata = response.metadata if response.metadata is not None else {}
+    response.metadata = metadata
+    calls: list[dict[str, Any]] = []
+
+    def recorded() -> Generator[str, None, None]:
+        with recording(calls):
+            yield from pieces
+        if calls:
+            metadata.update(combined(calls))
+
+    response.response_gen = recorded()
+    return response
 
 
 __all__ = ["FusionRAGQueryEngine"]
