@@ -51,13 +51,13 @@ def slow_engine(smollm_tokenizer: PreTrainedTokenizerBase) -> Iterator[FusionEng
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
     engine = FusionEngine(LlamaForCausalLM(config).eval(), smollm_tokenizer, name="tiny-slow")
     engine.eos_ids = set()  # every call decodes its whole budget
-    forward = engine.decoder.forward
+    step = engine.decoder.decode_step
 
-    def slow_forward(*args: Any, **kwargs: Any) -> Any:
+    def slow_step(*args: Any, **kwargs: Any) -> Any:
         time.sleep(STEP_S)  # blocks the calling thread, as a long kernel would
-        return forward(*args, **kwargs)
+        return step(*args, **kwargs)
 
-    engine.decoder.forward = slow_forward  # type: ignore[method-assign]
+    engine.decoder.decode_step = slow_step  # type: ignore[method-assign]
     yield engine
 
 
