@@ -347,7 +347,8 @@ def test_query_engine_reuses_caches_and_answers_like_the_engine(
     assert len(pieces) > 1 and "".join(pieces) == response.response
 
     def untimed(meta: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in meta.items() if k not in ("ttft_s", "total_s")}
+        # NOTE: prefilled_tokens may drop: the first query's uncached context was learned as caches
+        return {k: v for k, v in meta.items() if k not in ("ttft_s", "total_s", "prefilled_tokens")}
 
     assert untimed(streaming.metadata) == untimed(response.metadata)
 
