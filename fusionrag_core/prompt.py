@@ -47,6 +47,12 @@ _MARK_HEAD_RE = re.compile(
     f"{MARK_OPEN}([A-Za-z0-9_-]{{1,128}}){MARK_SEP}([0-9a-f]{{16}}){MARK_SEP}([0-9]{{1,9}}){MARK_SEP}")
 _MARK_KEY = secrets.token_bytes(32)
 _SENTINEL_CONTEXT, _SENTINEL_QUESTION = "\ue010CONTEXT\ue010", "\ue011QUESTION\ue011"
+# NOTE: a special-token string inside a message's content (`<|im_start|>` typed by a user or held by
+# a document) is replaced by GUARD_OPEN index GUARD_CLOSE before the chat template renders it, and a
+# guard is tokenized as plain text: only the template's own special strings become control tokens.
+# A guard a user writes is harmless: it too is tokenized as plain text.
+_GUARD_OPEN, _GUARD_CLOSE = "\ue005", "\ue006"
+_GUARD_RE = re.compile(f"{_GUARD_OPEN}([0-9]{{1,4}}){_GUARD_CLOSE}")
 
 
 def _mac(chunk_id: str, text: str) -> str:
@@ -171,6 +177,8 @@ class PromptLayout:
         self.tokenizer = tokenizer
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         self._separator = tokenize_plain(tokenizer, CHUNK_SEPARATOR)
+        self._specials = _special_strings(tokenizer)
+        self._special_re = re.compile("|".join(map(re.escape, self._specials))) if self._specials else None
 
     # ---- canonical layout: instruction + passages + question -------------------------------------
     def _render(self, instruction: str) -> tuple[str, str]:
@@ -230,14 +238,51 @@ class PromptLayout:
 
     # ---- flattened prompts from frameworks -------------------------------------------------------
     def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
-        """The conversation as the model reads it (its chat template, or plain turns without one)."""
+        """The conversation as the model reads it (its chat template, or plain turns without one).
+
+        Special-token strings inside message contents come out guarded (see `_GUARD_OPEN`): pass
+        the result to `tokenize_rendered`, never to a tokenizer directly.
+        """
         if not messages:
             raise InvalidRequestError("no messages: pass at least one user message")
+        guarded = [{**m, "content": self.guard(m["content"])} for m in messages]
         if self.has_template:
             return str(self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt))
-        text = "\n\n".join(m["content"] for m in messages) + ("\nAnswer:" if add_generation_prompt else "")
+                guarded, tokenize=False, add_generation_prompt=add_generation_prompt))
+        text = "\n\n".join(m["content"] for m in guarded) + ("\nAnswer:" if add_generation_prompt else "")
         return (self.tokenizer.bos_token or "") + text
+
+    def guard(self, text: str) -> str:
+        """User or document text with every special-token string replaced by a guard."""
+        if self._special_re is None:
+            return text
+        index = {s: i for i, s in enumerate(self._specials)}
+        pattern = self._special_re
+
+        def plain(piece: str) -> str:
+            return pattern.sub(lambda m: f"{_GUARD_OPEN}{index[m.group(0)]}{_GUARD_CLOSE}", piece)
+
+        # NOTE: genuine marks pass unchanged (their MAC covers the text; it is tokenized as plain text).
+        return "".join(plain(p) if isinstance(p, str) else mark_chunk(p.chunk_id, p.text) for p in split_marks(text))
+
+    def unguard(self, text: str) -> str:
+        """`guard`'s inverse: the text as the user or the document wrote it."""
+        return _GUARD_RE.sub(lambda m: self._special_at(m.group(0), int(m.group(1))), text)
+
+    def tokenize_rendered(self, text: str) -> list[int]:
+        """Ids of rendered text: the template's special strings are specials, guarded ones plain text."""
+        ids: list[int] = []
+        parts = _GUARD_RE.split(text)  # [template text, guard index, template text, ...]
+        for j, part in enumerate(parts):
+            if j % 2:
+                ids += tokenize_plain(self.tokenizer, self._special_at(f"{_GUARD_OPEN}{part}{_GUARD_CLOSE}", int(part)))
+            elif part:
+                ids += tokenize_template(self.tokenizer, part)
+        return ids
+
+    def _special_at(self, guard: str, i: int) -> str:
+        # NOTE: a guard index out of range was written by a user, not by `guard`: it stays as written.
+        return self._specials[i] if i < len(self._specials) else guard
 
     def from_messages(
         self,
@@ -255,11 +300,12 @@ class PromptLayout:
         Each becomes a chunk segment (its cache is used only if the token ids match); text between
         chunks is plain context; text before the first is the prefix, after the last the question.
         """
-        pieces = _locate(self.render(messages, add_generation_prompt=add_generation_prompt), find, documents or {})
+        rendered = self.render(messages, add_generation_prompt=add_generation_prompt)
+        pieces = _locate(rendered, find, {cid: self.guard(doc) for cid, doc in (documents or {}).items()})
         if not any(isinstance(p, _Found) for p in pieces):
-            return FusionPrompt(_ids([]), (), _ids(tokenize_template(self.tokenizer, "".join(map(str, pieces)))))
+            return FusionPrompt(_ids([]), (), _ids(self.tokenize_rendered("".join(map(str, pieces)))))
         first = next(i for i, p in enumerate(pieces) if isinstance(p, _Found))
-        prefix = _ids(tokenize_template(self.tokenizer, "".join(str(p) for p in pieces[:first])))
+        prefix = _ids(self.tokenize_rendered("".join(str(p) for p in pieces[:first])))
         segments: list[Segment] = []
         tail = ""
         for i in range(first, len(pieces)):
@@ -268,13 +314,13 @@ class PromptLayout:
                 tail = piece
                 continue
             if tail:
-                segments.append(Segment("text", _ids(tokenize_template(self.tokenizer, tail))))
+                segments.append(Segment("text", _ids(self.tokenize_rendered(tail))))
             tail = ""
             segments.append(self._chunk_segment(piece, pieces, i))
         if not tail and segments[-1].learn:
             # NOTE: a prompt that ends with a found chunk's text: that text is the question.
             tail = segments.pop().text or ""
-        question = _ids(tokenize_template(self.tokenizer, tail))
+        question = _ids(self.tokenize_rendered(tail))
         if question.numel() == 0:
             raise InvalidRequestError("the prompt ends with a chunk: put the question after the context")
         return FusionPrompt(prefix, tuple(segments), question)
@@ -285,6 +331,8 @@ class PromptLayout:
         NOTE: a marked chunk always gets the separator (its mark stands for "text + separator").
         """
         following = pieces[i + 1] if i + 1 < len(pieces) else ""
+        if found.source != "mark":  # found in guarded text: the chunk as its document wrote it
+            found = _Found(found.chunk_id, self.unguard(found.text), found.source)
         if found.source == "mark":
             ids = self.chunk_ids(found.text)
         elif isinstance(following, str) and following.startswith(CHUNK_SEPARATOR) and (
@@ -342,3 +390,11 @@ def _document_spans(text: str, documents: Mapping[str, str],
                 found.append(spans[-1])
             at = text.find(doc, end)
     return found
+
+
+def _special_strings(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """Every special-token string of `tokenizer`, longest first (so a longer one wins a regex)."""
+    specials = set(tokenizer.all_special_tokens)
+    specials.update(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
+    return tuple(sorted((s for s in specials if s), key=len, reverse=True))
+
