@@ -49,4 +49,5 @@ def test_llamaindex_cookbook_runs_and_reuses_caches(tmp_path: Path) -> None:
     assert all(row["full_answer"].strip() for row in summary["rows"])
     assert summary["query_engine_reused_tokens"] > 0 and summary["query_engine_answer"].strip()
     assert summary["streamed_equals_answer"] is True
-    assert summary["standard_reused_tokens"] > 0 and summary["plain_reused_tokens"] == 0
+    # the plain synthesizer's prompt carries no marks: its chunks are found by content
+    assert summary["standard_reused_tokens"] > 0 and summary["plain_reused_tokens"] > 0
