@@ -668,4 +668,8 @@ __all__ = [
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # NOTE: run as `python -m`, this file is `__main__`; plugins subclass `fusionrag_core.cli.Command`,
+    # so the command line runs from the imported module, whose classes they know.
+    from fusionrag_core.cli import main as imported_main
+
+    sys.exit(imported_main())
