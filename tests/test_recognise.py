@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
@@ -21,6 +21,7 @@ from fusionrag_core.prompt import MARK_CLOSE, MARK_OPEN, MARK_SEP, mark_chunk, s
 from fusionrag_core.recognise import ANCHOR_CHARS, ContentIndex, Match, chunk_anchor, content_index_for
 from fusionrag_core.reuse import ReuseMonitor, ReuseSources
 from fusionrag_core.store import DiskKVStore
+from tests.ingest_worker import tiny_engine
 
 TEXTS = [
     "The Lumen lighthouse on Gull Point was designed by the engineer Ada Vell in 1891, after the old light failed.",
@@ -34,11 +35,7 @@ SAMPLING = SamplingConfig(max_new_tokens=4)
 
 @pytest.fixture(scope="module")
 def engine(smollm_tokenizer: PreTrainedTokenizerBase, one_thread: None) -> FusionEngine:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048)
-    return FusionEngine(LlamaForCausalLM(config).eval(), smollm_tokenizer, name="tiny-llama")
+    return tiny_engine(smollm_tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.embeddings import DeterministicFakeEmbedding
@@ -20,7 +19,7 @@ from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.compat import tokenize_plain
 from fusionrag_core.engine import FusionEngine
@@ -29,6 +28,7 @@ from fusionrag_core.prompt import MARK_CLOSE, MARK_OPEN, MARK_SEP, mark_chunk
 from fusionrag_core.recognise import content_index_for
 from fusionrag_core.store import DiskKVStore
 from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGRetriever
+from tests.ingest_worker import tiny_engine
 
 TEXTS = [
     "The Lumen lighthouse on Gull Point was designed by the engineer Ada Vell in 1891, after the old light failed.",
@@ -68,11 +68,7 @@ class Results(BaseCallbackHandler):
 
 @pytest.fixture(scope="module")
 def engine(smollm_tokenizer: PreTrainedTokenizerBase, one_thread: None) -> FusionEngine:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048)
-    return FusionEngine(LlamaForCausalLM(config).eval(), smollm_tokenizer, name="tiny-llama")
+    return tiny_engine(smollm_tokenizer)
 
 
 @pytest.fixture(scope="module")

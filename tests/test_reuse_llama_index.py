@@ -9,17 +9,17 @@ import logging
 from pathlib import Path
 
 import pytest
-import torch
 from llama_index.core import VectorStoreIndex
 from llama_index.core.base.response.schema import Response
 from llama_index.core.embeddings import MockEmbedding
 from llama_index.core.schema import MetadataMode, TextNode
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.compat import tokenize_plain
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.store import DiskKVStore
 from fusionrag_integrations.llama_index import FusionKVTransform, FusionRAGLLM
+from tests.ingest_worker import tiny_engine
 
 TEXTS = [
     "The Lumen lighthouse on Gull Point was designed by the engineer Ada Vell in 1891, after the old light failed.",
@@ -33,11 +33,7 @@ MODES = ["compact", "refine", "tree_summarize", "simple_summarize"]
 
 @pytest.fixture(scope="module")
 def engine(smollm_tokenizer: PreTrainedTokenizerBase, one_thread: None) -> FusionEngine:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048)
-    return FusionEngine(LlamaForCausalLM(config).eval(), smollm_tokenizer, name="tiny-llama")
+    return tiny_engine(smollm_tokenizer)
 
 
 def _nodes() -> list[TextNode]:
