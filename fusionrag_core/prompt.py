@@ -178,6 +178,7 @@ class PromptLayout:
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         self._separator = tokenize_plain(tokenizer, CHUNK_SEPARATOR)
         self._specials = _special_strings(tokenizer)
+        self._special_index = {special: i for i, special in enumerate(self._specials)}
         self._special_re = re.compile("|".join(map(re.escape, self._specials))) if self._specials else None
 
     # ---- canonical layout: instruction + passages + question -------------------------------------
@@ -256,8 +257,7 @@ class PromptLayout:
         """User or document text with every special-token string replaced by a guard."""
         if self._special_re is None:
             return text
-        index = {s: i for i, s in enumerate(self._specials)}
-        pattern = self._special_re
+        index, pattern = self._special_index, self._special_re
 
         def plain(piece: str) -> str:
             return pattern.sub(lambda m: f"{_GUARD_OPEN}{index[m.group(0)]}{_GUARD_CLOSE}", piece)
