@@ -339,11 +339,15 @@ def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentP
     bench.add_argument("--data", required=True, metavar="FILE.jsonl",
                        help='rows of {"question", "answers", "passages": [{"title", "text"}]}')
     bench.add_argument("--methods", nargs="+", metavar="METHOD",
-                       help="full_attention, full_reuse, cacheblend, epic, query_guided, fusionrag, random "
-                            "(default: all but random; full_attention always runs)")
+                       help="full_attention, full_reuse, cacheblend, epic, query_guided, fusionrag, random, and the "
+                            "selection variants fusionrag_layers, fusionrag_early, fusionrag_adaptive, "
+                            "fusionrag_aware, fusionrag_aware_early (default: all but random and the "
+                            "variants; full_attention always runs)")
     bench.add_argument("--ratios", type=_ratio_list, default=(0.05, 0.15, 0.3),
                        help="recompute ratios, comma-separated (default: 0.05,0.15,0.3)")
     bench.add_argument("--limit", type=positive_int, help="first N rows (default: all)")
+    bench.add_argument("--skip", type=int, default=0, metavar="N",
+                       help="skip the first N rows, e.g. --skip 20 --limit 10 runs rows 20-29 (default: 0)")
     bench.add_argument("--corpus", choices=("row", "shared"), default="row",
                        help="row: each row's passages are a corpus of their own (neighbours = the prompt's "
                             "passages); shared: every selected row's passages in one corpus, neighbours found "
@@ -630,6 +634,7 @@ def cmd_bench(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv
         methods=methods,
         ratios=args.ratios,
         limit=args.limit,
+        skip=args.skip,
         neighbors=args.neighbors,
         neighbour_order=args.neighbour_order,
         max_passage_tokens=args.max_passage_tokens,

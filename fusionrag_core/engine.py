@@ -530,7 +530,8 @@ class FusionEngine:
             with self._prefix_lock:
                 prefilled += 0 if tuple(prompt.prefix.tolist()) in self._prefixes else int(prompt.prefix.shape[0])
             prefix = self.prefix_cache(prompt.prefix)
-            st = stitch(self.decoder, prompt, prefix, lookup, extra_capacity=sampling.max_new_tokens)
+            st = stitch(self.decoder, prompt, prefix, lookup, extra_capacity=sampling.max_new_tokens,
+                        exact_prefix=torch.equal(prompt.prefix.cpu(), self._canonical_prefix))
         else:  # full attention: everything, prefix included, is computed in one causal pass
             flat = FusionPrompt(prompt.prefix[:0], (), prompt.token_ids())
             st = stitch(self.decoder, flat, None, lookup, extra_capacity=sampling.max_new_tokens)

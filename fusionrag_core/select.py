@@ -9,7 +9,7 @@ part of the budget.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,10 +99,25 @@ def select_first_k(st: Stitched, budget: int, config: SelectConfig) -> torch.Ten
     return torch.cat(picked)
 
 
-def _probe_layers(st: Stitched, depths: tuple[float, ...]) -> tuple[int, ...]:
-    """Layer indices at relative `depths` (0 = first layer, 1 = last), shallowest first, deduplicated."""
-    last = st.decoder.num_layers - 1
-    return tuple(sorted({round(d * last) for d in depths}))
+def probe_layers(windows: Sequence[int | None], depths: tuple[float, ...]) -> tuple[int, ...]:
+    """Layer indices at relative `depths` (0 = first layer, 1 = last), shallowest first, deduplicated.
+
+    A depth that lands on a sliding-window layer moves down to the deepest full-attention layer at
+    or below it (when there is one): a sliding layer's question queries cannot see the chunk tokens
+    outside its window, so its attention cannot rank them (Gemma 3 slides 5 layers in 6 with a
+    512-token window: at a ~860-token prompt the first ~40% of the context is invisible there).
+    Moving down, not up, keeps the probe as cheap as asked for.
+
+    Args:
+        windows: per layer, its sliding window or None for full attention (`Decoder.windows`).
+    """
+    last = len(windows) - 1
+
+    def full_at_or_below(layer: int) -> int:
+        below = [i for i in range(layer, -1, -1) if windows[i] is None]
+        return below[0] if below else layer  # NOTE: every layer slides (Mistral-style): keep it
+
+    return tuple(sorted({full_at_or_below(round(d * last)) for d in depths}))
 
 
 def question_attention(st: Stitched, depths: tuple[float, ...]) -> torch.Tensor:
@@ -115,18 +130,28 @@ def question_attention(st: Stitched, depths: tuple[float, ...]) -> torch.Tensor:
     (an attention sink) still has an equal say in which chunk tokens matter.
     """
     slots = st.reusable_slots
-    layers = _probe_layers(st, depths)
+    layers = probe_layers(st.decoder.windows, depths)
     masses = st.decoder.probe(st.buf, st.question_ids, st.question_slots, layers=layers)
     mass = torch.stack([masses[layer] for layer in layers])[:, slots]  # [A, R]
     mass = mass / mass.sum(dim=1, keepdim=True).clamp_min(1e-30)
     return mass.mean(dim=0)
 
 
-def _query_guided(st: Stitched, budget: int, config: SelectConfig, depths: tuple[float, ...]) -> torch.Tensor:
+def _query_guided(st: Stitched, budget: int, config: SelectConfig, depths: tuple[float, ...], *,
+                  skip_exact: bool = False) -> torch.Tensor:
     slots = st.reusable_slots
     if budget <= 0 or slots.numel() == 0:
         return slots[:0]
-    return _top(slots, question_attention(st, config.probe_depths or depths), budget)
+    scores = question_attention(st, config.probe_depths or depths)
+    if skip_exact:
+        slots, scores = _inexact(st, slots, scores)
+    return _top(slots, scores, budget)
+
+
+def _inexact(st: Stitched, slots: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots (and their scores) whose cached K/V are not already exact (`Stitched.exact_slots`)."""
+    keep = ~torch.isin(slots, st.exact_slots.to(slots.device))
+    return slots[keep], scores[keep]
 
 
 def select_query_guided(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
@@ -157,6 +182,21 @@ def select_query_guided_early(st: Stitched, budget: int, config: SelectConfig) -
     0.046 (half depth was worse on gemma3-270m: 0.059), and the probe skips a quarter of the layers.
     """
     return _query_guided(st, budget, config, (0.75,))
+
+
+def select_fusion_aware(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
+    """Query-guided (last layer, or `probe_depths`), spending the budget only where the cache can be
+    wrong: tokens whose cached context is exactly the prompt's (`Stitched.exact_slots`: the first
+    chunk's independent cache right after the prefix it was computed after) are skipped, since
+    recomputing them yields the same K/V; the freed budget goes to the next-best tokens elsewhere.
+    """
+    return _query_guided(st, budget, config, (1.0,), skip_exact=True)
+
+
+def select_fusion_aware_early(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
+    """`fusion_aware` with `query_guided_early`'s cheaper probe (3/4 depth, or the deepest
+    full-attention layer below it on sliding-window models)."""
+    return _query_guided(st, budget, config, (0.75,), skip_exact=True)
 
 
 def select_adaptive(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
@@ -198,6 +238,8 @@ SELECTORS: dict[str, Selector] = {
     "query_guided": select_query_guided,
     "query_guided_layers": select_query_guided_layers,
     "query_guided_early": select_query_guided_early,
+    "fusion_aware": select_fusion_aware,
+    "fusion_aware_early": select_fusion_aware_early,
     "adaptive": select_adaptive,
     "kv_deviation": select_kv_deviation,
     "first_k": select_first_k,

@@ -73,6 +73,9 @@ class Stitched:
         variants: how many reused chunks came from each cache variant ("fused", "independent").
         missed: `(segment index, its slots [T])` of each chunk segment computed afresh (no usable
             cache): after the recompute pass its K/V there is what a cache of it would hold.
+        exact_slots: `[E]` reused slots whose cached K/V are what full attention computes there
+            (the first chunk's independent cache right after the prefix it was computed after):
+            recomputing them changes nothing, so a selector can spend its budget elsewhere.
     """
 
     decoder: Decoder
@@ -85,6 +88,7 @@ class Stitched:
     misses: dict[str, str] = field(default_factory=dict)
     variants: dict[str, int] = field(default_factory=dict)
     missed: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    exact_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
     @property
     def reusable_slots(self) -> torch.Tensor:
@@ -117,6 +121,7 @@ def stitch(
     lookup: CacheLookup,
     *,
     extra_capacity: int,
+    exact_prefix: bool = False,
 ) -> Stitched:
     """Lay out `prompt` in a fresh buffer: prefix cache, shifted chunk caches, reserved slots.
 
@@ -126,6 +131,9 @@ def stitch(
         prefix: the prefix's exact cache at positions `0..P-1` (None when the prompt has no prefix).
         lookup: (chunk id, comes first) -> cache or None.
         extra_capacity: slots to leave for generated tokens.
+        exact_prefix: `prefix` is the one independent chunk caches are computed after, so an
+            independent cache of the first segment, at the positions it was computed at, is exact
+            (recorded in `Stitched.exact_slots`).
     """
     device = decoder.device
     buf = decoder.new_buffer(prompt.num_tokens + extra_capacity)
@@ -138,6 +146,7 @@ def stitch(
     misses: dict[str, str] = {}
     variants: dict[str, int] = {}
     missed: list[tuple[int, torch.Tensor]] = []
+    exact = torch.empty(0, dtype=torch.int64, device=device)
     for i, seg in enumerate(prompt.segments):
         start = buf.length
         found = lookup(seg.chunk_id, i == 0) if seg.chunk_id else None
@@ -155,6 +164,8 @@ def stitch(
             continue
         kv = kv.head(reused)
         chunk_slots.append(append_shifted(decoder, buf, kv))
+        if exact_prefix and i == 0 and kv.variant == "independent" and int(kv.positions[0]) == start:
+            exact = chunk_slots[-1]
         if reused < seg.num_tokens:  # e.g. a separator the cache was computed without
             forced.append(buf.reserve(torch.arange(buf.length, start + seg.num_tokens, device=device), valid=False))
         loaded += kv.nbytes
@@ -163,7 +174,7 @@ def stitch(
     question_slots = buf.reserve(torch.arange(buf.length, buf.length + q_len, device=device), valid=False)
     forced_slots = torch.cat(forced) if forced else torch.empty(0, dtype=torch.int64, device=device)
     return Stitched(decoder, buf, slot_tokens, chunk_slots, forced_slots, question_slots, loaded, misses, variants,
-                    missed)
+                    missed, exact)
 
 
 def _shared_head(cached: torch.Tensor, prompt: torch.Tensor) -> int:

@@ -132,6 +132,7 @@ def test_a_row_too_long_for_the_model_is_refused_before_ingest(engine: FusionEng
         ({"ratios": (1.5,)}, "ratio"),
         ({"ratios": ()}, "no recompute ratio"),
         ({"limit": 0}, "limit"),
+        ({"skip": -1}, "skip"),
         ({"neighbour_order": "random"}, "neighbour_order"),
         ({"max_passage_tokens": 0}, "max_passage_tokens"),
         ({"corpus": "everything"}, "corpus mode"),
@@ -179,6 +180,20 @@ def test_a_shared_corpus_finds_neighbours_across_rows(engine: FusionEngine) -> N
     assert {(s["method"], s["ratio"]) for s in results["results"]} == {
         ("full_attention", None), ("full_reuse", None), ("fusionrag", 0.15)}
     assert "one shared corpus" in markdown(results)
+
+
+def test_skip_runs_a_later_slice_and_rows_keep_their_kl(engine: FusionEngine) -> None:
+    config = BenchConfig(data=DATA, corpus="shared", **{**SHARED, "limit": 1}, skip=3)  # type: ignore[arg-type]
+    results = run_benchmark(config, engine, progress=False)
+    assert results["rows"] == 1 and results["first_row"] == 3
+    assert [r["question"] for r in results["per_row"]] == [load_rows(DATA, 4)[3].question]
+    assert "rows 3-3" in markdown(results)
+    row = results["per_row"][0]
+    assert set(row["kl_first_token"]) == {"full_attention", "full_reuse", "fusionrag@0.15"}
+    assert row["kl_first_token"]["full_attention"] == 0.0
+    means = {(s["method"], s["ratio"]): s["kl_first_token"] for s in results["results"]}
+    assert row["kl_first_token"]["fusionrag@0.15"] == pytest.approx(means[("fusionrag", 0.15)])
+    assert row["recomputed_fraction"]["full_reuse"] == 0.0
 
 
 def test_a_shared_corpus_answers_over_retrieved_chunks(engine: FusionEngine) -> None:

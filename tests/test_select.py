@@ -10,11 +10,11 @@ from transformers import PreTrainedTokenizerBase
 from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import EngineConfig, FusionEngine
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.select import SelectConfig, get_selector, question_attention
-from fusionrag_core.stitch import Stitched
+from fusionrag_core.select import SelectConfig, get_selector, probe_layers, question_attention
+from fusionrag_core.stitch import Stitched, stitch
 from tests.test_engine import ARCHS, CHUNKS, _stitched, independent_caches, prompt_for
 
-NEW = ("query_guided_layers", "query_guided_early", "adaptive")
+NEW = ("query_guided_layers", "query_guided_early", "adaptive", "fusion_aware", "fusion_aware_early")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,7 +104,9 @@ def test_new_selectors_at_ratio_one_equal_a_full_prefill(engine: FusionEngine, n
     # adaptive spends the whole budget only when asked to cover all of the question's attention
     covering = FusionEngine(engine.model, engine.tokenizer, config=EngineConfig(select=SelectConfig(adaptive_mass=1.0)))
     gen = covering.generate(prompt, caches=caches, selector=name, ratio=1.0, sampling=sampling)
-    assert gen.recomputed_tokens == sum(c.num_tokens for c in caches.values())  # type: ignore[attr-defined]
+    # the fusion-aware selectors leave the first chunk alone: its independent cache is already exact
+    skipped = caches["c0"].num_tokens if name.startswith("fusion_aware") else 0  # type: ignore[attr-defined]
+    assert gen.recomputed_tokens == sum(c.num_tokens for c in caches.values()) - skipped  # type: ignore[attr-defined]
     assert (gen.first_token_logits - full.first_token_logits).abs().max().item() < 1e-3
     assert gen.token_ids == full.token_ids
 
@@ -145,3 +147,61 @@ def test_probe_layers_out_of_range_are_refused(engine: FusionEngine) -> None:
     st = _stitched(engine, CHUNKS)
     with pytest.raises(ValueError, match="attention layers"):
         _probe(st, (engine.decoder.num_layers,))
+
+
+def test_probe_depths_move_to_a_full_attention_layer() -> None:
+    # Gemma 3 270M: 18 layers, every sixth one (5, 11, 17) full attention, the rest slide
+    gemma = [None if (i + 1) % 6 == 0 else 512 for i in range(18)]
+    assert probe_layers(gemma, (1.0,)) == (17,)
+    assert probe_layers(gemma, (0.75,)) == (11,)  # 0.75 * 17 -> layer 13 slides: the full layer below
+    assert probe_layers(gemma, (1 / 3, 2 / 3, 1.0)) == (5, 11, 17)
+    assert probe_layers(gemma, (0.1,)) == (2,)  # no full layer at or below: kept
+    assert probe_layers([None] * 30, (0.75, 1.0)) == (22, 29)  # Llama: every layer is full
+    assert probe_layers([4096] * 8, (0.5,)) == (4,)  # Mistral-style: every layer slides
+
+
+def _exact_stitched(engine: FusionEngine, caches: dict[str, object], *, exact_prefix: bool) -> Stitched:
+    prompt = prompt_for(engine, CHUNKS)
+    return stitch(engine.decoder, prompt, engine.prefix_cache(prompt.prefix), lambda cid, _first: caches.get(cid),
+                  extra_capacity=1, exact_prefix=exact_prefix)
+
+
+def test_only_the_first_chunks_independent_cache_is_exact(engine: FusionEngine) -> None:
+    caches: dict[str, object] = dict(independent_caches(engine, CHUNKS))
+    st = _exact_stitched(engine, caches, exact_prefix=True)
+    assert torch.equal(st.exact_slots, st.chunk_slots[0])
+    # the prefix is not the one caches were computed after, or the first chunk's cache is fused: nothing is exact
+    assert _exact_stitched(engine, caches, exact_prefix=False).exact_slots.numel() == 0
+    fused = engine.chunk_cache(CHUNKS[0], neighbours=[caches["c1"]])  # type: ignore[list-item]
+    assert _exact_stitched(engine, {**caches, "c0": fused}, exact_prefix=True).exact_slots.numel() == 0
+    # exact means exact: the first chunk's cached K/V equal what a full prefill computes there
+    prompt = prompt_for(engine, CHUNKS)
+    buf = engine.decoder.new_buffer(prompt.num_tokens)
+    ids = prompt.token_ids()
+    engine.decoder.fill(buf, ids, buf.reserve(torch.arange(ids.shape[0]), valid=False))
+    e = st.exact_slots
+    torch.testing.assert_close(st.buf.keys[:, :, e], buf.keys[:, :, e], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(st.buf.values[:, :, e], buf.values[:, :, e], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["fusion_aware", "fusion_aware_early"])
+def test_fusion_aware_spends_the_budget_off_exact_tokens(engine: FusionEngine, name: str) -> None:
+    caches: dict[str, object] = dict(independent_caches(engine, CHUNKS))
+    plain = {"fusion_aware": "query_guided", "fusion_aware_early": "query_guided_early"}[name]
+    for budget in (3, 10):
+        st = _exact_stitched(engine, caches, exact_prefix=True)
+        picked = get_selector(name)(st, budget, SelectConfig())
+        assert picked.numel() == budget and not bool(torch.isin(picked, st.exact_slots).any())
+        # the same ranking as its plain query-guided twin, with the exact tokens taken out
+        st = _exact_stitched(engine, caches, exact_prefix=True)
+        ranked = get_selector(plain)(st, st.num_reused_tokens, SelectConfig())
+        scores = question_attention(st, (0.75,) if name.endswith("early") else (1.0,))
+        inexact = ~torch.isin(st.reusable_slots, st.exact_slots)
+        order = torch.sort(-scores[inexact], stable=True).indices[:budget]
+        assert torch.equal(picked, torch.sort(st.reusable_slots[inexact][order]).values)
+        assert bool(torch.isin(picked, ranked).all())
+    # with nothing exact it is its plain twin
+    st = _exact_stitched(engine, caches, exact_prefix=False)
+    a = get_selector(name)(st, 6, SelectConfig())
+    st = _exact_stitched(engine, caches, exact_prefix=False)
+    assert torch.equal(a, get_selector(plain)(st, 6, SelectConfig()))

@@ -94,13 +94,19 @@ def table(summaries: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rows(results: Mapping[str, Any]) -> str:
+    """`10 rows` or, for a slice that does not start at row 0, `rows 20-29`."""
+    first, n = int(results.get("first_row") or 0), int(results["rows"])
+    return f"rows {first}-{first + n - 1}" if first else f"{n} rows"
+
+
 def markdown(results: Mapping[str, Any]) -> str:
     """results.md: a heading naming model and data, the table, ingest throughput and how it was run."""
     ingest = results["ingest"]
     ind, fused = ingest["independent_chunks_per_min"], ingest["fused_chunks_per_min"]
     parts = [
         f"# FusionRAG benchmark: {results['model']} on {Path(results['dataset']).name} "
-        f"({results['rows']} rows, {results['device']} {results['dtype']})\n",
+        f"({_rows(results)}, {results['device']} {results['dtype']})\n",
         _corpus_line(results.get("corpus")),
         table(results["results"]),
         f"Ingest throughput: independent caches {_num(ind, 1)} chunks/min, fused caches {_num(fused, 1)} chunks/min"

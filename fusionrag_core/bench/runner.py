@@ -96,6 +96,8 @@ METHODS: dict[str, Method] = {
         Method("fusionrag_layers", "query_guided_layers", "fused", True),
         Method("fusionrag_early", "query_guided_early", "fused", True),
         Method("fusionrag_adaptive", "adaptive", "fused", True),
+        Method("fusionrag_aware", "fusion_aware", "fused", True),
+        Method("fusionrag_aware_early", "fusion_aware_early", "fused", True),
     )
 }
 """Every method the runner knows, by name."""
@@ -116,7 +118,9 @@ class BenchConfig:
         methods: method names from `METHODS`; full attention, the reference of every quality and
             speed ratio, is always run (added first if missing).
         ratios: recompute ratios of the methods that recompute.
-        limit: first rows of the dataset to run (None = all).
+        limit: rows of the dataset to run, after `skip` (None = all).
+        skip: leading rows of the dataset to leave out (a held-out slice: `skip=20, limit=10` runs
+            rows 20-29).
         neighbors: n of fused ingest, capped at (passages in the row - 1).
         neighbour_order: where fused prefill puts the most similar neighbour (see `IngestConfig`).
         max_passage_tokens: cut each passage to its first N model tokens (None = keep whole).
@@ -133,6 +137,7 @@ class BenchConfig:
     methods: tuple[str, ...] = DEFAULT_METHODS
     ratios: tuple[float, ...] = DEFAULT_RATIOS
     limit: int | None = None
+    skip: int = 0
     neighbors: int = 10
     neighbour_order: NeighbourOrder = "similar_last"
     max_passage_tokens: int | None = None
@@ -157,6 +162,8 @@ class BenchConfig:
             raise InvalidRequestError(f"recompute ratios repeat: {list(self.ratios)}; list each once")
         if self.limit is not None and self.limit < 1:
             raise InvalidRequestError(f"limit must be >= 1 row, got {self.limit}")
+        if self.skip < 0:
+            raise InvalidRequestError(f"skip must be >= 0 rows, got {self.skip}")
         if self.max_passage_tokens is not None and self.max_passage_tokens < 1:
             raise InvalidRequestError(f"max_passage_tokens must be >= 1, got {self.max_passage_tokens}")
         # NOTE: IngestConfig checks neighbors / neighbour_order with its own messages.
@@ -251,9 +258,10 @@ def run_benchmark(
         ContextLengthError: a row's prompt does not fit the model (lower `max_passage_tokens`).
         CacheNotFoundError: a query had to prefill a chunk whose cache ingest should have stored.
     """
-    rows = load_rows(config.data, config.limit)
+    rows = load_rows(config.data, None if config.limit is None else config.skip + config.limit)[config.skip:]
     if not rows:
-        raise InvalidRequestError(f"{config.data} holds no rows; pass a dataset with at least one row")
+        raise InvalidRequestError(f"{config.data} holds no rows after skipping {config.skip}; pass a dataset with "
+                                  "at least one row there (or a smaller --skip)")
     ef = embedding_function if embedding_function is not None else vectordb.default_embedding_function()
     sampling = SamplingConfig(max_new_tokens=config.max_new_tokens, stop=ANSWER_STOP)
     plan = config.plan()
@@ -304,6 +312,7 @@ def run_benchmark(
         "dtype": str(engine.decoder.dtype).removeprefix("torch."),
         "dataset": str(config.data),
         "rows": len(rows),
+        "first_row": config.skip,
         "command": list(command) if command is not None else None,
         "config": {**asdict(config), "data": str(config.data)},
         "corpus": {
@@ -369,6 +378,8 @@ def _run_row(
         "same_prompt_neighbour_share": same_prompt_neighbour_share(prompt_ids, corpus.neighbours),
         "gold_passage_recall": len(own_ids.intersection(prompt_ids)) / len(own_ids),
         "outputs": {label(r.method, r.ratio): r.answer for r in row_results},
+        "kl_first_token": {label(r.method, r.ratio): r.kl_first_token for r in row_results},
+        "recomputed_fraction": {label(r.method, r.ratio): r.recomputed_fraction for r in row_results},
     }
     return row_results, outputs
 
