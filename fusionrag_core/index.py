@@ -26,7 +26,7 @@ from fusionrag_core.corpus import corpus_id_of, legacy_warning, store_namespace
 from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
 from fusionrag_core.errors import CacheMismatchError, InsufficientSpaceError, InvalidRequestError
-from fusionrag_core.ingest import IngestConfig, Ingestor, IngestReport, VerifyReport
+from fusionrag_core.ingest import CHUNK_INDEX_KEY, IngestConfig, Ingestor, IngestReport, VerifyReport, owners_of
 from fusionrag_core.kv import Variant
 from fusionrag_core.lock import writing
 from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_dir, kv_dir
@@ -118,18 +118,8 @@ class FusionIndex:
         ef = embedding_function if embedding_function is not None else vectordb.default_embedding_function()
         vconfig = vectordb.VectorDBConfig(path=str(chroma_dir(data_dir)), url=chroma_url, collection=collection_name)
         collection = vectordb.open_collection(vconfig, ef)
-        # NOTE: one store per corpus: fused caches depend on the corpus, and ingest and verify delete
-        # blobs the collection does not know, so two corpora must never share a store. On Redis the
-        # namespace derives from the corpus id recorded in the collection (see fusionrag_core.corpus).
-        store: KVStore
-        if redis_url is not None:
-            corpus_id = corpus_id_of(collection.metadata)
-            if corpus_id is None:
-                log.warning(legacy_warning(collection_name, chroma_url or str(Path(data_dir).expanduser())))
-            store = open_store(redis_url, storage_dtype=storage_dtype,
-                               namespace=store_namespace(collection_name, corpus_id))
-        else:
-            store = DiskKVStore(kv_dir(data_dir, collection_name), storage_dtype=storage_dtype)
+        store = corpus_store(collection, data_dir, redis_url=redis_url, storage_dtype=storage_dtype,
+                             where=chroma_url or str(Path(data_dir).expanduser()))
         return cls(engine, collection, store, config, embedding_function=ef, writer_wait_s=writer_wait_s)
 
     # ---- writing ------------------------------------------------------------------------------------
@@ -177,6 +167,20 @@ class FusionIndex:
     def document_ids(self) -> set[str]:
         """The ids of every document with a chunk in the index."""
         return self.ingestor.document_ids()
+
+    def document_chunks(self, doc_ids: Sequence[str]) -> dict[str, list[vectordb.Row]]:
+        """Per document id present in the index, its chunks (text and metadata) in document order.
+
+        A chunk shared by several documents is listed under each of them; its metadata is its
+        first owner's (see `fusionrag_core.ingest`). Ids without chunks are left out.
+        """
+        rows = self.ingestor.owned_by(list(doc_ids), include=("documents", "metadatas"))
+        out: dict[str, list[vectordb.Row]] = {}
+        for doc_id in dict.fromkeys(doc_ids):
+            mine = [r for r in rows.values() if doc_id in owners_of(r.metadata)]
+            if mine:
+                out[doc_id] = sorted(mine, key=lambda r: int(r.metadata.get(CHUNK_INDEX_KEY, 0)))
+        return out
 
     def delete(self, doc_ids: Sequence[str]) -> int:
         """Remove documents (Chroma entries and every cache variant of chunks no other document
@@ -254,6 +258,35 @@ class FusionIndex:
         return f"FusionIndex(collection={self.collection.name!r}, store={self.store!r}, model={self.engine.name!r})"
 
 
+def corpus_store(
+    collection: Collection,
+    data_dir: str | Path,
+    *,
+    redis_url: str | None = None,
+    storage_dtype: StorageDType = "float16",
+    where: str = "",
+) -> KVStore:
+    """The KV store of the corpus `collection` holds: `kv/<collection name>/` under `data_dir` on
+    disk, or a Redis namespace derived from the corpus id the collection records.
+
+    Args:
+        collection: the corpus's Chroma collection.
+        data_dir: the data directory (disk caches go to `kv_dir(data_dir, collection.name)`).
+        redis_url: `redis://host:port/db` instead of disk.
+        storage_dtype: dtype of stored keys/values (see `KVStore`).
+        where: where the collection lives, for the warning about collections without a corpus id.
+    """
+    # NOTE: one store per corpus: fused caches depend on the corpus, and ingest and verify delete
+    # blobs the collection does not know, so two corpora must never share a store. On Redis the
+    # namespace derives from the corpus id recorded in the collection (see fusionrag_core.corpus).
+    if redis_url is None:
+        return DiskKVStore(kv_dir(data_dir, collection.name), storage_dtype=storage_dtype)
+    corpus_id = corpus_id_of(collection.metadata)
+    if corpus_id is None:
+        log.warning(legacy_warning(collection.name, where or str(Path(data_dir).expanduser())))
+    return open_store(redis_url, storage_dtype=storage_dtype, namespace=store_namespace(collection.name, corpus_id))
+
+
 def _describe(writer: Mapping[str, Any]) -> str:
     return (f"{writer.get('action', 'a write')} by pid {writer.get('pid')} on {writer.get('host')} "
             f"({writer.get('command')!r}, started {writer.get('since')}) did not finish")
@@ -304,4 +337,4 @@ def _bind(
     return config
 
 
-__all__ = ["FusionIndex", "IngestConfig", "IngestReport", "VerifyReport"]
+__all__ = ["FusionIndex", "IngestConfig", "IngestReport", "VerifyReport", "corpus_store"]

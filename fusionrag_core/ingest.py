@@ -36,7 +36,7 @@ import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -252,9 +252,11 @@ class _Chunk:
     metadata: dict[str, Primitive]
     owners: list[str] = field(default_factory=list)
     neighbours: list[tuple[str, float]] = field(default_factory=list)
+    embedding: np.ndarray | None = None  # [d] unit vector, given to Chroma with the chunk
 
 
-def _owners(metadata: Mapping[str, Any]) -> list[str]:
+def owners_of(metadata: Mapping[str, Any]) -> list[str]:
+    """The ids of the documents owning a chunk (from its Chroma metadata), first owner first."""
     raw = metadata.get(OWNERS_KEY)
     if isinstance(raw, str):
         return [str(o) for o in json.loads(raw)]
@@ -355,6 +357,7 @@ class Ingestor:
         new = [c for cid, c in chunks.items() if cid not in present]
         self._check_room(new, space_check, progress)
         report.removed_chunks = self._settle_ownership(docs, present)
+        self._refresh_metadata(chunks, present)
         incomplete = self._incomplete(present)
         report.skipped_chunks = len(present) - len(incomplete)
 
@@ -364,6 +367,8 @@ class Ingestor:
         if self.config.fuse:
             self._mark_pending([c.chunk_id for c in incomplete])
             embeddings = self._embed([c.text for c in new])
+            for c, embedding in zip(new, embeddings, strict=True):
+                c.embedding = embedding
             self._find_neighbours(new, embeddings)
             self._mark_pending(self._affected_by(new, embeddings))
         self._add_new(new, progress)
@@ -444,8 +449,8 @@ class Ingestor:
     def _settle_ownership(self, docs: Mapping[str, list[str]], present: Mapping[str, vectordb.Row]) -> int:
         """Claim present chunks for the documents that contain them, release (and delete) chunks an
         updated document no longer contains; returns how many chunks were deleted."""
-        owners: dict[str, list[str]] = {cid: _owners(r.metadata) for cid, r in self._owned_by(list(docs)).items()}
-        owners.update({cid: _owners(r.metadata) for cid, r in present.items() if cid not in owners})
+        owners: dict[str, list[str]] = {cid: owners_of(r.metadata) for cid, r in self.owned_by(list(docs)).items()}
+        owners.update({cid: owners_of(r.metadata) for cid, r in present.items() if cid not in owners})
         before = {cid: list(o) for cid, o in owners.items()}
         for cid, current in owners.items():
             for doc_id in docs:
@@ -461,15 +466,33 @@ class Ingestor:
             vectordb.update_metadata(self.collection, changed, [_ownership(owners[cid]) for cid in changed])
         return self._remove(released)
 
-    def _owned_by(self, doc_ids: Sequence[str]) -> dict[str, vectordb.Row]:
-        """Chunks (any owner position) of the given documents."""
+    def _refresh_metadata(self, chunks: Mapping[str, _Chunk], present: Mapping[str, vectordb.Row]) -> None:
+        """A document added again with other metadata (same text) gets its new metadata on the
+        chunks it is the first owner of: keys it dropped are removed, bookkeeping is kept."""
+        ids: list[str] = []
+        metas: list[dict[str, Primitive | None]] = []
+        for cid, row in present.items():
+            c = chunks[cid]
+            if owners_of(row.metadata)[:1] != [c.doc_id]:
+                continue  # NOTE: a chunk keeps its first owner's metadata (see the module docstring).
+            old = {k: v for k, v in row.metadata.items() if k not in RESERVED_KEYS}
+            if old != c.metadata or row.metadata.get(CHUNK_INDEX_KEY) != c.index:
+                ids.append(cid)
+                metas.append({**dict.fromkeys(old), **c.metadata, CHUNK_INDEX_KEY: c.index})
+        for start in range(0, len(ids), self.config.batch_size):
+            sl = slice(start, start + self.config.batch_size)
+            # NOTE: Chroma's update merges metadata; a None value deletes the key.
+            self.collection.update(ids=ids[sl], metadatas=cast(Any, metas[sl]))
+
+    def owned_by(self, doc_ids: Sequence[str], include: vectordb.Include = ("metadatas",)) -> dict[str, vectordb.Row]:
+        """Chunks (any owner position) of the given documents, with `include` read ("metadatas" at least)."""
         if not doc_ids:
             return {}
         where = {"$or": [{DOC_ID_KEY: {"$in": list(doc_ids)}}, {OWNER_COUNT_KEY: {"$gt": 1}}]}
         wanted = set(doc_ids)
         out: dict[str, vectordb.Row] = {}
-        for page in vectordb.scan(self.collection, ["metadatas"], where):
-            out.update({cid: r for cid, r in page.items() if wanted.intersection(_owners(r.metadata))})
+        for page in vectordb.scan(self.collection, list(dict.fromkeys(["metadatas", *include])), where):
+            out.update({cid: r for cid, r in page.items() if wanted.intersection(owners_of(r.metadata))})
         return out
 
     def _incomplete(self, present: Mapping[str, vectordb.Row]) -> list[_Chunk]:
@@ -480,7 +503,7 @@ class Ingestor:
         out = []
         for cid, row in present.items():
             if row.text and not all([self._usable(cid, v) for v in variants]):
-                out.append(_Chunk(cid, row.text, _owners(row.metadata)[0], 0, {}))
+                out.append(_Chunk(cid, row.text, owners_of(row.metadata)[0], 0, {}))
         return out
 
     def _usable(self, cid: str, variant: Variant, neighbours: Sequence[str] | None = None) -> bool:
@@ -569,8 +592,13 @@ class Ingestor:
                     if self.config.fuse:
                         meta.update(_fusion_meta(c.neighbours, self.config.neighbors))
                     metas.append(meta)
-                # NOTE: only now, with every blob of the batch stored, do the chunks become visible.
-                vectordb.add_chunks(self.collection, [c.chunk_id for c in batch], [c.text for c in batch], metas)
+                unembedded = [c for c in batch if c.embedding is None]
+                for c, embedding in zip(unembedded, self._embed([c.text for c in unembedded]), strict=True):
+                    c.embedding = embedding
+                # NOTE: only now, with every blob of the batch stored, do the chunks become visible;
+                # Chroma stores the embeddings the neighbours were found with, not its own.
+                vectordb.add_chunks(self.collection, [c.chunk_id for c in batch], [c.text for c in batch], metas,
+                                    embeddings=np.stack([cast(np.ndarray, c.embedding) for c in batch]))
                 bar.update(len(batch))
 
     def _fused_batches(self, new: Sequence[_Chunk]) -> Iterator[Sequence[_Chunk]]:
@@ -613,7 +641,7 @@ class Ingestor:
     def document_ids(self) -> set[str]:
         """Every document id that owns a chunk of the collection."""
         pages = vectordb.scan(self.collection, ["metadatas"])
-        return {o for page in pages for row in page.values() for o in _owners(row.metadata)}
+        return {o for page in pages for row in page.values() for o in owners_of(row.metadata)}
 
     def delete(self, doc_ids: Sequence[str]) -> int:
         """Remove documents: chunks no other document owns lose their Chroma entry and every blob;
@@ -623,8 +651,8 @@ class Ingestor:
         gone = set(doc_ids)
         released: list[str] = []
         changed: dict[str, list[str]] = {}
-        for cid, row in self._owned_by(list(gone)).items():
-            owners = [o for o in _owners(row.metadata) if o not in gone]
+        for cid, row in self.owned_by(list(gone)).items():
+            owners = [o for o in owners_of(row.metadata) if o not in gone]
             if owners:
                 changed[cid] = owners
             else:

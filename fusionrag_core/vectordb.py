@@ -26,6 +26,7 @@ from chromadb.api.collection_configuration import CreateCollectionConfiguration
 from chromadb.api.models.Collection import Collection
 from chromadb.api.types import EmbeddingFunction
 from chromadb.config import Settings
+from chromadb.errors import NotFoundError
 from chromadb.utils.embedding_functions import SentenceTransformerEmbeddingFunction
 
 from fusionrag_core.corpus import CORPUS_ID_KEY, corpus_id_of, new_corpus_id
@@ -204,24 +205,61 @@ def open_collection(
             distance space (the message names both and how to proceed).
         FusionRAGError: the Chroma server cannot be reached.
     """
+    return collection_in(open_client(config), config.collection, embedding_function, config.url or config.path)
+
+
+def collection_in(
+    client: chromadb.ClientAPI,
+    name: str,
+    embedding_function: EmbeddingFn | None = None,
+    where: str = "",
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    configuration: Mapping[str, Any] | None = None,
+    create: bool = True,
+) -> Collection:
+    """The chunk collection `name` of an open Chroma client, in cosine space (see `open_collection`).
+
+    Args:
+        client: any Chroma client (persistent, in-memory, HTTP).
+        name: the collection name.
+        embedding_function: defaults to `default_embedding_function()`.
+        where: where the database lives, for messages.
+        metadata: extra collection metadata, applied only when the collection is created.
+        configuration: Chroma collection configuration (e.g. `{"hnsw": {"ef_search": 50}}`), applied
+            only when the collection is created; its distance space must be cosine.
+        create: create the collection when it does not exist (False: it must exist).
+
+    Raises:
+        InvalidRequestError: as `open_collection`; also a non-cosine space asked for in `metadata`
+            or `configuration`, or a missing collection with `create=False`.
+    """
     ef = embedding_function if embedding_function is not None else default_embedding_function()
     wanted = embedding_id(ef)
-    client = open_client(config)
-    where = config.url or config.path
+    where = where or "the Chroma client"
+    config = _cosine_configuration(name, configuration, metadata)
     try:
-        collection = client.get_or_create_collection(
-            name=config.collection,
-            configuration=cast(CreateCollectionConfiguration, {"hnsw": {"space": SPACE}}),
-            # NOTE: applied only when the collection is created: the corpus id is born with it.
-            metadata={EMBEDDING_META_KEY: wanted, CORPUS_ID_KEY: new_corpus_id()},
-            embedding_function=ef,
-        )
+        if create:
+            collection = client.get_or_create_collection(
+                name=name,
+                configuration=cast(CreateCollectionConfiguration, config),
+                # NOTE: applied only when the collection is created: the corpus id is born with it.
+                metadata={**(metadata or {}), EMBEDDING_META_KEY: wanted, CORPUS_ID_KEY: new_corpus_id()},
+                embedding_function=ef,
+            )
+        else:
+            collection = client.get_collection(name=name, embedding_function=ef)
+    except NotFoundError as e:
+        raise InvalidRequestError(
+            f"collection {name!r} does not exist in {where}; create it (create_collection_if_not_exists=True) "
+            "or check the name"
+        ) from e
     except ValueError as e:
         if "conflict" not in str(e).lower():
             raise
         # NOTE: Chroma's own check: the persisted embedding-function *name* differs from ef's.
         raise InvalidRequestError(
-            f"collection {config.collection!r} in {where} was built with another embedding function ({e}); "
+            f"collection {name!r} in {where} was built with another embedding function ({e}); "
             "open it with that function or choose another collection name and re-ingest"
         ) from e
 
@@ -229,25 +267,43 @@ def open_collection(
     space = _space_of(collection)
     if space != SPACE:
         raise InvalidRequestError(
-            f"collection {config.collection!r} in {where} uses the {space!r} distance, FusionRAG needs "
+            f"collection {name!r} in {where} uses the {space!r} distance, FusionRAG needs "
             f"{SPACE!r}; choose another collection name (VectorDBConfig.collection) and re-ingest"
         )
-    metadata = dict(collection.metadata or {})
-    recorded = metadata.get(EMBEDDING_META_KEY)
+    present = dict(collection.metadata or {})
+    recorded = present.get(EMBEDDING_META_KEY)
     empty = collection.count() == 0
     if recorded is None and empty:
         recorded = wanted  # NOTE: an empty collection created by someone else: adopted below.
     if recorded != wanted:
         raise InvalidRequestError(
-            f"collection {config.collection!r} in {where} holds embeddings of {recorded!r}, but the embedding "
+            f"collection {name!r} in {where} holds embeddings of {recorded!r}, but the embedding "
             f"function given is {wanted!r}; use the same embedding function, or choose another collection name "
             "and re-ingest"
         )
-    if empty and (metadata.get(EMBEDDING_META_KEY) is None or corpus_id_of(metadata) is None):
+    if empty and (present.get(EMBEDDING_META_KEY) is None or corpus_id_of(present) is None):
         # NOTE: an empty collection made elsewhere (or before corpus ids) becomes a corpus of its own.
-        adopted = {EMBEDDING_META_KEY: wanted, CORPUS_ID_KEY: corpus_id_of(metadata) or new_corpus_id()}
-        collection.modify(metadata={**metadata, **adopted})
+        adopted = {EMBEDDING_META_KEY: wanted, CORPUS_ID_KEY: corpus_id_of(present) or new_corpus_id()}
+        collection.modify(metadata={**present, **adopted})
     return collection
+
+
+def _cosine_configuration(
+    name: str, configuration: Mapping[str, Any] | None, metadata: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """`configuration` with the cosine space set; any other space asked for is an error."""
+    config = dict(configuration or {})
+    index = "spann" if "spann" in config else "hnsw"
+    section = dict(config.get(index) or {})
+    asked = {str(v) for v in (section.get("space"), (metadata or {}).get("hnsw:space")) if v is not None}
+    if asked - {SPACE}:
+        raise InvalidRequestError(
+            f"collection {name!r}: FusionRAG searches and fuses in {SPACE!r} space, but {sorted(asked)} was asked "
+            "for; drop the space setting"
+        )
+    section["space"] = SPACE
+    config[index] = section
+    return config
 
 
 def _space_of(collection: Collection) -> str | None:
@@ -312,6 +368,8 @@ def add_chunks(
     ids: Sequence[str],
     texts: Sequence[str],
     metadatas: Sequence[Mapping[str, Primitive] | None] | None = None,
+    *,
+    embeddings: np.ndarray | None = None,
 ) -> None:
     """Embed and store chunks; an id that already exists is overwritten (re-ingest is idempotent).
 
@@ -320,15 +378,18 @@ def add_chunks(
         ids: chunk ids (unique, non-empty).
         texts: the chunk texts, aligned with `ids`.
         metadatas: per-chunk bookkeeping (str/int/float/bool values), e.g. `{"doc_id": ..., "index": 3}`.
+        embeddings: `[N, d]` the chunks' embeddings, aligned with `ids` (None: the collection's
+            embedding function computes them).
 
     Raises:
         InvalidRequestError: length mismatch, duplicate/empty ids, or non-primitive metadata values.
     """
     ids, texts = list(ids), list(texts)
     metas = list(metadatas) if metadatas is not None else [None] * len(ids)
-    if not len(ids) == len(texts) == len(metas):
+    if not len(ids) == len(texts) == len(metas) or (embeddings is not None and len(embeddings) != len(ids)):
         raise InvalidRequestError(
-            f"add_chunks got {len(ids)} ids, {len(texts)} texts and {len(metas)} metadatas; pass one of each per chunk"
+            f"add_chunks got {len(ids)} ids, {len(texts)} texts, {len(metas)} metadatas and "
+            f"{'no' if embeddings is None else len(embeddings)} embeddings; pass one of each per chunk"
         )
     if len(set(ids)) != len(ids) or not all(isinstance(i, str) and i for i in ids):
         raise InvalidRequestError("add_chunks needs unique, non-empty string ids")
@@ -339,6 +400,7 @@ def add_chunks(
         collection.upsert(
             ids=ids[sl],
             documents=texts[sl],
+            embeddings=None if embeddings is None else cast(Any, embeddings[sl]),
             metadatas=cast(Any, checked[sl]),  # NOTE: Chroma's stubs reject None entries it accepts.
         )
 

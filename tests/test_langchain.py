@@ -16,6 +16,7 @@ import pytest
 import torch
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
+from langchain_core.embeddings import DeterministicFakeEmbedding
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.outputs import ChatGeneration, LLMResult
@@ -406,25 +407,25 @@ def test_vector_store_ingests_documents_and_deletes_by_document_id(
     store = FusionRAGVectorStore.from_documents(splits, engine=tiny_engine, data_dir=tmp_path,
                                                 config=IngestConfig(chunk_tokens=48, neighbors=2))
     hits = store.similarity_search("Who founded Tessaly Instruments?", k=2)
-    assert hits[0].metadata["doc_id"] == "doc-3" and hits[0].metadata["source"] == "s3.md"
-    assert store.index.store.has(hits[0].metadata["chunk_id"], "fused") and hits[0].id == hits[0].metadata["chunk_id"]
+    assert hits[0].id == "doc-3" and hits[0].metadata == {"source": "s3.md"}
+    chunk = FusionRAGRetriever(index=store.index, k=1).invoke("Who founded Tessaly Instruments?")[0]
+    assert chunk.metadata["doc_id"] == "doc-3" and store.index.store.has(str(chunk.id), "fused")
     scored = store.similarity_search_with_score("Who founded Tessaly Instruments?", k=2)
     assert [d.id for d, _ in scored] == [d.id for d in hits] and 0 <= scored[0][1] < scored[1][1]
     relevance = store.similarity_search_with_relevance_scores("Who founded Tessaly Instruments?", k=1)
-    assert relevance[0][1] == pytest.approx(hits[0].metadata["fusionrag_score"], abs=1e-6)
+    assert relevance[0][1] == pytest.approx(chunk.metadata["fusionrag_score"], abs=1e-6)
     assert [d.id for d in store.as_retriever(search_kwargs={"k": 1}).invoke("salt market")] == [
         d.id for d in store.similarity_search("salt market", k=1)
     ]
+    assert [d.id for d in store.similarity_search("salt market", k=5, filter={"source": "s1.md"})] == ["doc-1"]
 
     added = store.add_documents([Document(page_content="A new pier opened in 1910.", id="doc-new")])
     assert added == ["doc-new"] and len(store.index) == len(TEXTS) + 1
     assert store.delete(["doc-new"]) is True and len(store.index) == len(TEXTS)
-    with pytest.raises(InvalidRequestError, match="every document an id"):
-        store.add_texts(["a", "b"], ids=["x", ""])
-    with pytest.raises(InvalidRequestError, match="embedding=None"):
-        FusionRAGVectorStore.from_texts(["a"], embedding=object(), index=store.index)  # type: ignore[arg-type]
-    with pytest.raises(InvalidRequestError, match="unsupported argument"):
-        store.similarity_search("x", k=1, filter={"doc_id": "doc-1"})
+    with pytest.raises(InvalidRequestError, match="drop embedding_function"):
+        FusionRAGVectorStore.from_texts(["a"], embedding=DeterministicFakeEmbedding(size=4), index=store.index)
+    with pytest.raises(InvalidRequestError, match="unknown argument"):
+        store.similarity_search("x", k=1, where={"doc_id": "doc-1"})
 
 
 # ---- the real default model --------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 
 from fusionrag_core.errors import InvalidRequestError
 
-__all__ = ["closest", "device_name", "normalize_arguments"]
+__all__ = ["closest", "device_name", "normalize_arguments", "refuse_unknown"]
 
 # alias -> field: the same meaning under the names langchain-huggingface / transformers use.
 FIELD_ALIASES = {
@@ -48,6 +48,23 @@ def closest(name: str, valid: Iterable[str]) -> str:
     """' (did you mean X?)' for the valid name closest to `name`, or '' when none is close."""
     match = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.5)
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def refuse_unknown(kwargs: Mapping[str, Any], valid: Iterable[str], owner: str) -> None:
+    """Keyword arguments left over after a signature's own are an error naming the closest valid ones.
+
+    Args:
+        kwargs: the leftover keyword arguments (none: nothing happens).
+        valid: the names the callee accepts.
+        owner: the callee, for the message (e.g. "FusionRAGVectorStore.similarity_search").
+
+    Raises:
+        InvalidRequestError: `kwargs` is not empty.
+    """
+    if kwargs:
+        names = set(valid)
+        unknown = ", ".join(f"{name!r}{closest(name, names)}" for name in sorted(kwargs))
+        raise InvalidRequestError(f"{owner} got unknown argument(s) {unknown}; it takes {sorted(names)}")
 
 
 def normalize_arguments(data: Mapping[str, Any], fields: Iterable[str], owner: str) -> dict[str, Any]:
