@@ -370,3 +370,64 @@ def _scan(index: FusionIndex) -> Iterator[dict[str, Any]]:
     from fusionrag_core import vectordb
 
     return vectordb.scan(index.collection, ["metadatas"])
+
+
+# ---- threads and servers --------------------------------------------------------------------------------
+def test_threads_searching_one_store_get_their_own_results(table_store: FusionRAGVectorStore) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def search(i: int) -> list[str | None]:
+        if i % 2:
+            return [d.id for d in table_store.max_marginal_relevance_search("q", k=2, fetch_k=4)]
+        return [d.id for d in table_store.similarity_search("q", k=1, filter={"kind": {"$ne": "lamp"}})]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(search, range(16)))
+    assert results == [(["A", "C"] if i % 2 else ["C"]) for i in range(16)]
+
+
+@pytest.mark.servers
+def test_chroma_server_through_host_and_port_or_client(engine: FusionEngine, tmp_path: Path) -> None:
+    from urllib.parse import urlsplit
+
+    from tests.servers import running_chroma_server
+
+    with running_chroma_server(tmp_path / "server") as url:
+        parts = urlsplit(url)
+        store = FusionRAGVectorStore(collection_name="remote", embedding_function=DeterministicFakeEmbedding(size=8),
+                                     host=parts.hostname, port=parts.port, engine=engine, config=CONFIG,
+                                     data_dir=tmp_path / "data")
+        store.add_texts(TEXTS[:2], ids=["a", "b"])
+        assert Path(store.index.store.root) == kv_dir(tmp_path / "data", "remote")  # type: ignore[attr-defined]
+        assert not (tmp_path / "data" / "chroma").exists()
+        client = chromadb.HttpClient(host=str(parts.hostname), port=int(parts.port or 0),
+                                     settings=Settings(anonymized_telemetry=False))
+        again = FusionRAGVectorStore(collection_name="remote", embedding_function=DeterministicFakeEmbedding(size=8),
+                                     client=client, engine=engine, kv_store=store.index.store)
+        assert {d.id for d in again.similarity_search(TEXTS[1], k=2)} == {"a", "b"}
+        again.delete(["a"])
+        assert [d.id for d in store.get_by_ids(["a", "b"])] == ["b"]
+
+
+def test_get_pages_entries_like_langchain_chroma(table_store: FusionRAGVectorStore) -> None:
+    everything = table_store.get()
+    assert sorted(everything["ids"]) == ["A", "B", "C", "D"] and set(everything) == {"ids", "documents", "metadatas"}
+    assert {"kind": "chair", "n": 3} in everything["metadatas"]
+    lamps = table_store.get(where={"kind": "lamp"}, include=["documents"])
+    assert sorted(lamps["ids"]) == ["A", "B"] and set(lamps) == {"ids", "documents"}
+    page = table_store.get(ids=["C", "A", "nope"], include=["embeddings"], where_document={"$contains": "blue"})
+    assert page["ids"] == ["C"] and np.allclose(page["embeddings"][0], _unit(TABLE["C"]), atol=1e-6)
+    assert len(table_store.get(limit=2, offset=1)["ids"]) == 2 and table_store.get(ids="nope") == {
+        "ids": [], "documents": [], "metadatas": []}
+
+
+def test_one_text_in_two_documents_is_one_chunk_until_its_last_owner_goes(engine: FusionEngine, tmp_path: Path) -> None:
+    store = _store(engine, tmp_path)
+    store.add_texts([TEXTS[0], TEXTS[0], TEXTS[1]], [{"who": "x"}, {"who": "y"}, {}], ids=["x", "y", "z"])
+    assert len(store.index) == 2 and [d.id for d in store.similarity_search(TEXTS[0], k=3)][:1] == ["x"]
+    assert [d.metadata for d in store.get_by_ids(["y"])] == [{"who": "x"}]  # NOTE: the first owner's metadata.
+    chunk = store.index.document_chunks(["y"])["y"][0].chunk_id
+    store.delete(["x"])
+    assert _cached(store, chunk) == {"independent", "fused"} and [d.id for d in store.get_by_ids(["x", "y"])] == ["y"]
+    store.delete(["y"])
+    assert _cached(store, chunk) == set() and len(store.index) == 1

@@ -16,6 +16,10 @@ chunk (`IngestConfig.chunk_tokens`, 256 tokens by default) reads back exactly as
 longer one comes back as its chunks, each with the document's id and metadata. Metadata comes back
 as given: FusionRAG's bookkeeping keys are never returned, and are reserved (an error if used).
 
+NOTE (unlike langchain-chroma): a text that occurs in several documents is one chunk with one set of
+caches, owned by all of them and deleted with the last. A search finds it once, under its first
+document's id; it keeps the first document's metadata (`get_by_ids` of another owner returns it too).
+
 NOTE: the Documents returned carry document ids, not chunk ids, so do not pass them through
 `format_docs` (its marks name chunk ids): ChatFusionRAG / FusionRAGLLM find ingested chunks by their
 text in any prompt. `FusionRAGRetriever(index=store.index)` returns chunk-id Documents instead.
@@ -375,6 +379,54 @@ class FusionRAGVectorStore(VectorStore):
         unknown ids are left out."""
         found = self.index.document_chunks(list(ids))
         return [_document(doc_id, row.text or "", row.metadata) for doc_id, rows in found.items() for row in rows]
+
+    def get(
+        self,
+        ids: str | list[str] | None = None,
+        where: Where | None = None,
+        limit: int | None = None,
+        offset: int | None = None,
+        where_document: Where | None = None,
+        include: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """Entries of the collection, as langchain-chroma's `get`: one per chunk, under its document's id.
+
+        Args:
+            ids: document ids (a long document: each of its chunks); None: every document.
+            where: a Chroma filter on metadata.
+            limit, offset: paging, counted in chunks.
+            where_document: a Chroma filter on the text.
+            include: any of "documents", "metadatas", "embeddings" (default the first two).
+
+        Returns:
+            `{"ids": [...], "documents": [...], "metadatas": [...]}` (and "embeddings" when asked),
+            aligned; metadata is the caller's own, without FusionRAG's bookkeeping.
+        """
+        wanted = [ids] if isinstance(ids, str) else ids
+        include = list(include) if include is not None else ["documents", "metadatas"]
+        unknown = set(include) - {"documents", "metadatas", "embeddings"}
+        if unknown:
+            raise InvalidRequestError(f"get(include=...) takes documents, metadatas, embeddings; got {sorted(unknown)}")
+        owners: dict[str, str] = {}
+        if wanted is not None:
+            for doc_id, rows in self.index.document_chunks(wanted).items():
+                for row in rows:
+                    owners.setdefault(row.chunk_id, doc_id)
+            if not owners:
+                return {"ids": [], **{key: [] for key in include}}
+        res = self._collection.get(ids=list(owners) if wanted is not None else None, where=cast(Any, where or None),
+                                   limit=limit, offset=offset, where_document=cast(Any, where_document or None),
+                                   include=cast(Any, list(dict.fromkeys(["metadatas", *include]))))
+        metas = [dict(m or {}) for m in res["metadatas"] or []]
+        out: dict[str, Any] = {"ids": [owners.get(cid) or owners_of(m)[0] for cid, m in zip(res["ids"], metas,
+                                                                                             strict=True)]}
+        if "documents" in include:
+            out["documents"] = list(res["documents"] or [])
+        if "metadatas" in include:
+            out["metadatas"] = [{k: v for k, v in m.items() if k not in RESERVED_KEYS} for m in metas]
+        if "embeddings" in include:
+            out["embeddings"] = res["embeddings"]
+        return out
 
     def _select_relevance_score_fn(self) -> Callable[[float], float]:
         return self.override_relevance_score_fn or self._cosine_relevance_score_fn
