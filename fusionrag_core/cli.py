@@ -394,7 +394,7 @@ def open_index(args: argparse.Namespace, engine: FusionEngine, config: IngestCon
 
 def _source(chunk: RetrievedChunk) -> str:
     meta = chunk.metadata
-    name = meta.get("source", meta.get("doc_id", chunk.chunk_id))
+    name = meta.get("source", meta.get("file_name", meta.get("doc_id", chunk.chunk_id)))
     return f"{name} #{meta['chunk_index']}" if "chunk_index" in meta else str(name)
 
 

@@ -18,8 +18,9 @@ Invariants, which make an ingest killed at any point resumable by running it aga
   deleted at the end of every `add` and `delete`, once this call's chunks are all in Chroma.
 
 Chroma metadata of a chunk (primitives only; tensors live in the KV store under the chunk id):
-`doc_id` and `chunk_index` (the first document that contains it), the caller's metadata, and the
-bookkeeping keys below. A chunk whose text occurs in several documents is stored once and owned by
+`doc_id` and `chunk_index` (the first document that contains it), the caller's metadata, the
+bookkeeping keys and the LlamaIndex node record (the one entry format of every route:
+`fusionrag_core.chunk_record`). A chunk whose text occurs in several documents is stored once and owned by
 all of them (`fusion_docs`); it is deleted with its last owner, and keeps the first owner's
 `chunk_index` and metadata.
 
@@ -45,6 +46,20 @@ from tqdm.auto import tqdm
 
 from fusionrag_core import vectordb
 from fusionrag_core.chunk_caches import CacheBuilder, batch_neighbours, check_fusion_fits, rank_neighbours
+from fusionrag_core.chunk_record import (
+    CHUNK_ID_KEY,
+    CHUNK_INDEX_KEY,
+    NEIGHBOURS_KEY,
+    OPEN_RADIUS,
+    OWNER_COUNT_KEY,
+    OWNERS_KEY,
+    PENDING_KEY,
+    RADIUS_KEY,
+    RESERVED_KEYS,
+    fusion_state,
+    node_record,
+    ownership,
+)
 from fusionrag_core.chunking import Chunker, ChunkingConfig, chunk_id
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import (
@@ -64,23 +79,7 @@ NeighbourOrder = Literal["similar_last", "similar_first"]
 Primitive = vectordb.Primitive
 
 DOC_ID_KEY = vectordb.DOC_ID_KEY
-CHUNK_INDEX_KEY = "chunk_index"
-OWNERS_KEY = "fusion_docs"
-"""JSON list of the ids of every document containing the chunk, first owner first."""
-OWNER_COUNT_KEY = "fusion_owners"
-"""len(fusion_docs): lets `delete` find shared chunks with a metadata filter instead of a scan."""
-NEIGHBOURS_KEY = "fusion_neighbours"
-"""Space-separated ids of the chunks the fused cache was prefilled after, nearest first."""
-RADIUS_KEY = "fusion_radius"
-"""Cosine distance of the n-th neighbour; a new chunk nearer than this changes the neighbour set."""
-PENDING_KEY = "fusion_pending"
-"""True while the fused cache is out of date."""
-RESERVED_KEYS = frozenset({DOC_ID_KEY, CHUNK_INDEX_KEY, OWNERS_KEY, OWNER_COUNT_KEY, NEIGHBOURS_KEY, RADIUS_KEY,
-                           PENDING_KEY})
 
-# NOTE: cosine distance is at most 2, so this radius admits any chunk: a chunk with fewer than n
-# neighbours takes every new chunk in.
-_OPEN_RADIUS = 3.0
 # NOTE: embeddings of the same text computed in different batches differ in the last float bits;
 # a neighbour must be nearer by more than this to count as a change (no re-fusion flapping).
 _RADIUS_EPS = 1e-5
@@ -261,15 +260,6 @@ def owners_of(metadata: Mapping[str, Any]) -> list[str]:
     if isinstance(raw, str):
         return [str(o) for o in json.loads(raw)]
     return [str(metadata[DOC_ID_KEY])] if DOC_ID_KEY in metadata else []
-
-
-def _ownership(owners: Sequence[str]) -> dict[str, Primitive]:
-    return {DOC_ID_KEY: owners[0], OWNERS_KEY: json.dumps(list(owners)), OWNER_COUNT_KEY: len(owners)}
-
-
-def _fusion_meta(neighbours: Sequence[tuple[str, float]], n: int) -> dict[str, Primitive]:
-    radius = neighbours[-1][1] if len(neighbours) >= n and neighbours else _OPEN_RADIUS
-    return {NEIGHBOURS_KEY: " ".join(cid for cid, _ in neighbours), RADIUS_KEY: float(radius), PENDING_KEY: False}
 
 
 def _neighbour_ids(metadata: Mapping[str, Any]) -> list[str]:
@@ -463,7 +453,7 @@ class Ingestor:
         released = [cid for cid, o in owners.items() if not o]
         changed = [cid for cid, o in owners.items() if o and o != before[cid]]
         if changed:
-            vectordb.update_metadata(self.collection, changed, [_ownership(owners[cid]) for cid in changed])
+            vectordb.update_metadata(self.collection, changed, [ownership(owners[cid]) for cid in changed])
         return self._remove(released)
 
     def _refresh_metadata(self, chunks: Mapping[str, _Chunk], present: Mapping[str, vectordb.Row]) -> None:
@@ -569,7 +559,7 @@ class Ingestor:
             for lo in range(0, len(rows), _BLOCK):
                 distances = 1.0 - existing[lo : lo + _BLOCK] @ embeddings.T  # [B, N]
                 for row, dist in zip(rows[lo : lo + _BLOCK], distances, strict=True):
-                    radius = float(row.metadata.get(RADIUS_KEY, _OPEN_RADIUS))
+                    radius = float(row.metadata.get(RADIUS_KEY, OPEN_RADIUS))
                     nearer = np.flatnonzero(dist < radius - _RADIUS_EPS)
                     current = set(_neighbour_ids(row.metadata))
                     if any(new_ids[j] not in current for j in nearer):
@@ -588,9 +578,10 @@ class Ingestor:
                 metas: list[dict[str, Primitive]] = []
                 for c in batch:
                     meta: dict[str, Primitive] = {**c.metadata, DOC_ID_KEY: c.doc_id, CHUNK_INDEX_KEY: c.index,
-                                                  **_ownership(c.owners)}
+                                                  **ownership(c.owners), CHUNK_ID_KEY: c.chunk_id,
+                                                  **node_record(c.chunk_id, c.owners[0], c.metadata)}
                     if self.config.fuse:
-                        meta.update(_fusion_meta(c.neighbours, self.config.neighbors))
+                        meta.update(fusion_state(c.neighbours, self.config.neighbors))
                     metas.append(meta)
                 unembedded = [c for c in batch if c.embedding is None]
                 for c, embedding in zip(unembedded, self._embed([c.text for c in unembedded]), strict=True):
@@ -633,7 +624,7 @@ class Ingestor:
                 exclude_ids=[row.chunk_id])), self.config.neighbors)
             kv = self.builder.fused([(row.chunk_id, row.text, neighbours)])[0]
             self.store.put(row.chunk_id, replace(kv, fused_after=neighbours_digest(_ids_of(neighbours))))
-            vectordb.update_metadata(self.collection, [row.chunk_id], [_fusion_meta(neighbours, self.config.neighbors)])
+            vectordb.update_metadata(self.collection, [row.chunk_id], [fusion_state(neighbours, self.config.neighbors)])
             done += 1
         return done
 
@@ -658,7 +649,7 @@ class Ingestor:
             else:
                 released.append(cid)
         if changed:
-            vectordb.update_metadata(self.collection, list(changed), [_ownership(o) for o in changed.values()])
+            vectordb.update_metadata(self.collection, list(changed), [ownership(o) for o in changed.values()])
         removed = self._remove(released)
         self.refuse_pending()
         self._sweep_orphans()

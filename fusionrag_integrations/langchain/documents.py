@@ -11,9 +11,9 @@ from typing import Literal
 
 from langchain_core.documents import Document
 
+from fusionrag_core.chunk_record import user_metadata
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.ingest import CHUNK_INDEX_KEY, DOC_ID_KEY, RESERVED_KEYS
 from fusionrag_core.prompt import mark_chunk
 from fusionrag_core.store import KVStore, validate_chunk_id
 from fusionrag_core.vectordb import RetrievedChunk
@@ -22,8 +22,6 @@ CacheStatus = Literal["fused", "independent", "missing"]
 CHUNK_ID_KEY = "chunk_id"
 CACHE_KEY = "fusionrag_cache"
 SCORE_KEY = "fusionrag_score"
-# NOTE: the index's own bookkeeping (owners, neighbours, pending re-fusion) is not the reader's concern.
-_BOOKKEEPING_KEYS = RESERVED_KEYS - {DOC_ID_KEY, CHUNK_INDEX_KEY}
 
 
 def format_docs(docs: Sequence[Document]) -> str:
@@ -82,6 +80,8 @@ def search_documents(index: FusionIndex, query: str, k: int) -> list[Document]:
 
 
 def _to_document(chunk: RetrievedChunk, status: CacheStatus) -> Document:
-    own = {k: v for k, v in chunk.metadata.items() if k not in _BOOKKEEPING_KEYS}
+    # NOTE: the index's own bookkeeping (owners, neighbours, pending re-fusion, LlamaIndex's node
+    # record) is not the reader's concern.
+    own = user_metadata(chunk.metadata)
     metadata = {**own, CHUNK_ID_KEY: chunk.chunk_id, CACHE_KEY: status, SCORE_KEY: chunk.score}
     return Document(id=chunk.chunk_id, page_content=chunk.text, metadata=metadata)

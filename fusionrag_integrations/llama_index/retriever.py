@@ -1,8 +1,10 @@
 """FusionRAGRetriever: LlamaIndex nodes whose `node_id` is the chunk id their KV caches are stored under.
 
 Two sources: a `FusionIndex` (our own Chroma collection, searched by `FusionIndex.search`), or a
-LlamaIndex vector store (e.g. `ChromaVectorStore`) filled by an `IngestionPipeline` that ran
-`FusionKVTransform`, which made every node id the chunk's id.
+LlamaIndex vector store (e.g. `ChromaVectorStore`) holding FusionRAG chunks: filled by an
+`IngestionPipeline` that ran `FusionKVTransform` (which made every node id the chunk's id), or the
+collection of a `FusionIndex` itself (one entry format, `fusionrag_core.chunk_record`).
+Bookkeeping metadata is hidden from LLM and embedding text on every node returned.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from llama_index.core.indices.vector_store.base import VectorStoreIndex
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from llama_index.core.vector_stores.types import BasePydanticVectorStore
 
+from fusionrag_core.chunk_record import CHUNK_ID_KEY, is_chunk_entry, user_metadata
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_integrations.llama_index.embedding import FusionRAGEmbedding
-from fusionrag_integrations.llama_index.transform import BOOKKEEPING_KEYS, CHUNK_ID_KEY
+from fusionrag_integrations.llama_index.transform import hide
 
 if TYPE_CHECKING:
     from fusionrag_core.index import FusionIndex
@@ -62,7 +65,7 @@ class FusionRAGRetriever(BaseRetriever):
         embed_model: BaseEmbedding | None = None,
         similarity_top_k: int = 4,
     ) -> FusionRAGRetriever:
-        """Search a LlamaIndex vector store filled through `FusionKVTransform`.
+        """Search a LlamaIndex vector store of FusionRAG chunks (`FusionKVTransform` or a FusionIndex's collection).
 
         Args:
             vector_store: e.g. a `ChromaVectorStore`.
@@ -70,8 +73,8 @@ class FusionRAGRetriever(BaseRetriever):
             similarity_top_k: how many chunks to return.
 
         Raises:
-            InvalidRequestError: at query time, when a retrieved node was not ingested through
-                `FusionKVTransform` (its id is then not a chunk id and it has no cache).
+            InvalidRequestError: at query time, when a retrieved node was ingested by neither
+                `FusionKVTransform` nor a FusionIndex (its id is then not a chunk id and it has no cache).
         """
         _check_k(similarity_top_k)
         # NOTE: an explicit embed model: VectorStoreIndex would otherwise resolve Settings.embed_model (OpenAI).
@@ -81,12 +84,14 @@ class FusionRAGRetriever(BaseRetriever):
         def search(query: QueryBundle) -> list[NodeWithScore]:
             hits = inner.retrieve(query)
             for hit in hits:
-                if hit.node.metadata.get(CHUNK_ID_KEY) != hit.node.node_id:
+                if not is_chunk_entry(hit.node.node_id, hit.node.metadata):
                     raise InvalidRequestError(
-                        f"node {hit.node.node_id} in the vector store was not ingested through FusionKVTransform, so "
-                        "it has no chunk cache; add FusionKVTransform to the IngestionPipeline (after the splitter) "
-                        "and re-ingest"
+                        f"node {hit.node.node_id} in the vector store was ingested neither through FusionKVTransform "
+                        "nor by a FusionIndex, so it has no chunk cache; add FusionKVTransform to the "
+                        "IngestionPipeline (after the splitter) and re-ingest"
                     )
+                # NOTE: an entry read through LlamaIndex's legacy path (no node record) shows every key.
+                hide(hit.node)
             return hits
 
         return cls(search)
@@ -101,10 +106,11 @@ def _check_k(k: int) -> None:
 
 
 def _chunk_node(chunk_id: str, text: str, metadata: dict[str, object]) -> TextNode:
-    """A node for a FusionIndex hit; bookkeeping metadata stays out of the LLM's and embedder's view."""
-    hidden = [k for k in metadata if k in BOOKKEEPING_KEYS]
-    return TextNode(id_=chunk_id, text=text, metadata=metadata,
-                    excluded_llm_metadata_keys=hidden, excluded_embed_metadata_keys=hidden)
+    """A node for a FusionIndex hit, as a vector store over the same collection rebuilds it: the user's
+    and source metadata and the chunk id, all but the user's out of the LLM's and embedder's view."""
+    node = TextNode(id_=chunk_id, text=text, metadata={**user_metadata(metadata), CHUNK_ID_KEY: chunk_id})
+    hide(node)
+    return node
 
 
 __all__ = ["FusionRAGRetriever"]

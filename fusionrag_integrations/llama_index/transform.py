@@ -7,7 +7,9 @@ model. For every node it sees it:
    of the node text without metadata), the one key shared by the vector store and the KV store;
    relationships between the nodes of the batch follow the new ids; a node whose text repeats an
    earlier node of the batch is dropped (one chunk, one id, one cache);
-2. records the chunk id in bookkeeping metadata that LLM and embedder never see;
+2. records the chunk id and its fusion state (neighbours, radius) in bookkeeping metadata that LLM
+   and embedder never see: the entry format a `FusionIndex` writes (`fusionrag_core.chunk_record`),
+   so the collection is read by FusionIndex, the LangChain retriever and the CLI too;
 3. stores the chunk's independent cache and, with `fuse`, its fused cache: prefilled after its
    `neighbors` most similar chunks of the batch (the FusionRAG offline step). Chunks already
    cached are skipped, so re-running a pipeline costs no model passes.
@@ -19,7 +21,8 @@ Caches are computed on `node.get_content(metadata_mode=MetadataMode.NONE)`, the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -27,20 +30,24 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.schema import BaseNode, Document, MetadataMode, RelatedNodeInfo, TextNode, TransformComponent
 from llama_index.core.utils import get_tqdm_iterable
 
-from fusionrag_core.chunk_caches import CacheBuilder, batch_neighbours, rank_neighbours
+from fusionrag_core.chunk_caches import CacheBuilder, Neighbours, batch_neighbours, rank_neighbours
+from fusionrag_core.chunk_record import CHUNK_ID_KEY, RESERVED_KEYS, fusion_state
 from fusionrag_core.chunking import ChunkingConfig, chunk_id
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import FusionRAGError, InvalidRequestError
-from fusionrag_core.ingest import RESERVED_KEYS, IngestConfig, NeighbourOrder
+from fusionrag_core.ingest import IngestConfig, NeighbourOrder
+from fusionrag_core.kv import neighbours_digest
 from fusionrag_core.recognise import index_content
 from fusionrag_core.store import KVStore
 from fusionrag_integrations.llama_index.embedding import FusionRAGEmbedding
 from fusionrag_integrations.llama_index.llm import FusionRAGLLM
 
-CHUNK_ID_KEY = "fusionrag_chunk_id"
-"""Node metadata key holding the chunk id (equal to the node id); marks nodes this transform cached."""
-BOOKKEEPING_KEYS = RESERVED_KEYS | {CHUNK_ID_KEY}
-"""Metadata keys that are bookkeeping (ours and FusionIndex's), hidden from the LLM and the embedder."""
+if TYPE_CHECKING:
+    from fusionrag_core.index import FusionIndex
+
+BOOKKEEPING_KEYS = RESERVED_KEYS
+"""Metadata keys that are bookkeeping (source, ownership, fusion, chunk id, LlamaIndex's node
+record), hidden from the LLM and the embedder."""
 
 
 class FusionKVTransform(TransformComponent):
@@ -84,8 +91,8 @@ class FusionKVTransform(TransformComponent):
         Args:
             engine: the engine (or a FusionRAGLLM, whose model then loads at the first batch).
             store: where caches go; default the LLM's `kv_store` (required with a bare engine). Use
-                one store per vector store collection (a FusionIndex's store is not for this: its
-                `verify` deletes other blobs).
+                one store per vector store collection; for a collection a FusionIndex reads too,
+                build the transform with `from_index` (its store and settings).
             embed_model: ranks neighbours of nodes that carry no embedding yet (default
                 FusionRAGEmbedding; put the embed model before this step to embed only once).
             **data: `neighbors`, `fuse`, `neighbour_order`.
@@ -98,6 +105,23 @@ class FusionKVTransform(TransformComponent):
         self._engine = engine
         self._store = store
         self._embed_model = embed_model or FusionRAGEmbedding()
+
+    @classmethod
+    def from_index(cls, index: FusionIndex, *, embed_model: BaseEmbedding | None = None) -> FusionKVTransform:
+        """A transform that fills `index`'s corpus: its engine, KV store and fusion settings.
+
+        Feed the pipeline's vector store with the same collection
+        (`ChromaVectorStore(chroma_collection=index.collection)`) and embed with the index's model
+        (`FusionRAGEmbedding()` for the default): the nodes become chunks `FusionIndex.search` /
+        `answer`, the LangChain retriever and the CLI read, with their caches.
+
+        Args:
+            index: the FusionIndex whose collection the pipeline writes to.
+            embed_model: as `FusionKVTransform(...)`.
+        """
+        config = index.config
+        return cls(index.engine, store=index.store, embed_model=embed_model, neighbors=config.neighbors,
+                   fuse=config.fuse, neighbour_order=config.neighbour_order)
 
     @classmethod
     def class_name(cls) -> str:
@@ -136,13 +160,14 @@ class FusionKVTransform(TransformComponent):
         engine, store = self.engine, self.store
         texts = [_chunk_text(node) for node in nodes]
         kept = _rename(nodes, [chunk_id(text, engine.fingerprint, _CHUNKING) for text in texts])
-        for node in kept:
-            _tag(node)
         # NOTE: every kept node, cached now or before: the standard query engine's prompts then find
         # the chunks by their text (recognise.py), with no marker in the pipeline.
         index_content(store, [(node.node_id, _chunk_text(node)) for node in kept])
         fused = self.fuse and self.neighbors > 0
         todo = [node for node in kept if not store.has(node.node_id, "fused" if fused else "independent")]
+        neighbours = self._neighbours(kept, kept) if fused else {}
+        for node in kept:
+            _tag(node, neighbours.get(node.node_id), self.neighbors)
         progress = bool(kwargs.get("show_progress", False))
         texts_by_id = {node.node_id: _chunk_text(node) for node in kept}
         config = self._ingest_config()
@@ -156,11 +181,11 @@ class FusionKVTransform(TransformComponent):
             builder.independent(batch)
         if not fused:
             return kept
-        neighbours = self._neighbours(kept, todo)
         items = [(n.node_id, texts_by_id[n.node_id], neighbours[n.node_id]) for n in todo]
         for batch in get_tqdm_iterable(_batches(items, config.batch_size), progress, "Fusing chunk caches"):
-            for (cid, _, _), kv in zip(batch, builder.fused(batch), strict=True):
-                store.put(cid, kv)
+            for (cid, _, near), kv in zip(batch, builder.fused(batch), strict=True):
+                # NOTE: the digest lets FusionIndex.verify check the cache against the recorded neighbours.
+                store.put(cid, replace(kv, fused_after=neighbours_digest([nid for nid, _ in near])))
         return kept
 
     def _ingest_config(self) -> IngestConfig:
@@ -226,12 +251,22 @@ def _rename(nodes: Sequence[BaseNode], ids: list[str]) -> list[BaseNode]:
     return list(kept.values())
 
 
-def _tag(node: BaseNode) -> None:
-    """Record the chunk id in metadata hidden from the LLM and the embedder."""
+def _tag(node: BaseNode, neighbours: Neighbours | None, n: int) -> None:
+    """Record the chunk id (and the neighbours its fused cache is prefilled after) in metadata hidden
+    from the LLM and the embedder, under the keys a FusionIndex reads (`fusionrag_core.chunk_record`)."""
     node.metadata[CHUNK_ID_KEY] = node.node_id
+    if neighbours is not None:
+        node.metadata.update(fusion_state(neighbours, n))
+    hide(node)
+
+
+def hide(node: BaseNode) -> BaseNode:
+    """List the node's bookkeeping keys in its `excluded_llm_metadata_keys` and
+    `excluded_embed_metadata_keys` (in place); returns the node."""
+    hidden = [key for key in node.metadata if key in BOOKKEEPING_KEYS]
     for excluded in (node.excluded_llm_metadata_keys, node.excluded_embed_metadata_keys):
-        if CHUNK_ID_KEY not in excluded:
-            excluded.append(CHUNK_ID_KEY)
+        excluded.extend(key for key in hidden if key not in excluded)
+    return node
 
 
-__all__ = ["BOOKKEEPING_KEYS", "CHUNK_ID_KEY", "FusionKVTransform"]
+__all__ = ["BOOKKEEPING_KEYS", "CHUNK_ID_KEY", "FusionKVTransform", "hide"]
