@@ -36,7 +36,8 @@ from llama_index.core.schema import MetadataMode
 from llama_index.vector_stores.chroma import ChromaVectorStore
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.chunk_record import INTERNAL_KEYS, OWNERS_KEY, RESERVED_KEYS, SOURCE_KEYS
+from fusionrag_core.chunk_record import INTERNAL_KEYS, OWNERS_KEY, RESERVED_KEYS
+from fusionrag_core.cli import main as cli_main
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.index import FusionIndex, IngestConfig
 from fusionrag_core.prompt import strip_marks
@@ -155,9 +156,9 @@ def test_standard_llama_index_engine_reuses_and_shows_no_bookkeeping(
     assert calls.stats[0]["reused_tokens"] > 0 and calls.stats[0]["cache_misses"] == 0
 
 
-def test_llama_index_pipeline_corpus_reads_through_fusion_index_and_langchain(
-        engine: FusionEngine, embed: FusionRAGEmbedding, tmp_path: Path) -> None:
-    index = FusionIndex.open(engine, tmp_path, collection_name="li-route", config=CONFIG)
+def test_llama_index_pipeline_corpus_reads_through_fusion_index_langchain_and_the_cli(
+        engine: FusionEngine, embed: FusionRAGEmbedding, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    index = FusionIndex.open(engine, tmp_path / "db", collection_name="li-route", config=CONFIG)
     pipeline = IngestionPipeline(
         transformations=[SentenceSplitter(chunk_size=64, chunk_overlap=0), embed, FusionKVTransform.from_index(index)],
         vector_store=ChromaVectorStore(chroma_collection=index.collection),
@@ -177,8 +178,7 @@ def test_llama_index_pipeline_corpus_reads_through_fusion_index_and_langchain(
     docs = LCRetriever(index=index, k=2).invoke(QUESTION)
     assert [d.id for d in docs] == [h.chunk_id for h in hits]
     assert all(d.metadata["fusionrag_cache"] == "fused" for d in docs)
-    assert all(not INTERNAL_KEYS.intersection(d.metadata) and SOURCE_KEYS <= set(d.metadata) | {"chunk_index"}
-               for d in docs)
+    assert all(not INTERNAL_KEYS.intersection(d.metadata) and "doc_id" in d.metadata for d in docs)
     # NOTE: format_docs marks each chunk with its id (the mark is how the model finds its cache)
     assert not _leaks(strip_marks(format_docs(docs)), index)
 
@@ -190,6 +190,12 @@ def test_llama_index_pipeline_corpus_reads_through_fusion_index_and_langchain(
     (chain | ChatFusionRAG(index=index, max_tokens=3, learn=False)).invoke(QUESTION, config={"callbacks": [results]})
     assert results.metadata["reused_tokens"] > 0 and results.metadata["cache_misses"] == 0
 
+    # the CLI opens the same corpus (data dir + collection name) and reuses its caches
+    argv = ["--db", str(tmp_path / "db"), "--collection", "li-route", "ask", QUESTION, "--max-tokens", "2", "-k", "2"]
+    assert cli_main(argv, engine_factory=lambda spec: engine) == 0
+    out = capsys.readouterr().out
+    assert "cache misses 0" in out and "sources: [1] doc0.md" in out and "reused 0" not in out, out
+
     # and the FusionIndex keeps managing the corpus: a document added its own way, one deleted
     index.add_texts(["The river Tell floods Marrow's quay every spring."], doc_ids=["tell"])
     assert "tell" in index.document_ids() and index.delete(["tell"]) == 1
@@ -198,7 +204,8 @@ def test_llama_index_pipeline_corpus_reads_through_fusion_index_and_langchain(
 
 def test_legacy_fusion_index_entries_are_read_with_bookkeeping_hidden(engine: FusionEngine, tmp_path: Path) -> None:
     # NOTE: an entry as FusionIndex wrote it before node records: flat keys only (LlamaIndex's legacy reader)
-    client = chromadb.PersistentClient(path=str(tmp_path / "chroma"), settings=ChromaSettings(anonymized_telemetry=False))
+    settings = ChromaSettings(anonymized_telemetry=False)
+    client = chromadb.PersistentClient(path=str(tmp_path / "chroma"), settings=settings)
     collection = client.get_or_create_collection("legacy", embedding_function=None)
     collection.add(ids=["a" * 32], documents=[TEXTS[0]], embeddings=[[1.0, 0.0, 0.0, 0.0]],
                    metadatas=[{"doc_id": "d", "chunk_index": 0, OWNERS_KEY: '["d"]', "fusion_owners": 1,

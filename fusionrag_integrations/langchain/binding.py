@@ -30,10 +30,10 @@ from fusionrag_core.prompt import FusionPrompt
 from fusionrag_core.reuse import ReuseMonitor, ReuseSources
 from fusionrag_core.stitch import Stitched
 from fusionrag_core.store import DiskKVStore, KVStore
-from fusionrag_integrations.langchain.arguments import normalize_arguments
+from fusionrag_integrations.arguments import normalize_arguments
 from fusionrag_integrations.langchain.observe import retrieved_texts
-from fusionrag_integrations.langchain.structured import response_grammar
 from fusionrag_integrations.request import RequestOptions, generation_stats, request_options, text_pieces
+from fusionrag_integrations.response_format import response_grammar
 
 PROVIDER = "fusionrag"
 

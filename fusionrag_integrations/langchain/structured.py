@@ -8,9 +8,6 @@ caches are reused exactly as without the constraint: only sampling changes.
 
 from __future__ import annotations
 
-import functools
-import json
-from collections.abc import Mapping
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -22,8 +19,8 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
-from fusionrag_core.constrained import Grammar
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_integrations.response_format import json_schema_format, response_grammar
 
 Method = Literal["json_schema", "json_mode", "function_calling"]
 METHODS = ("json_schema", "json_mode", "function_calling")
@@ -33,47 +30,6 @@ BIND_TOOLS_MESSAGE = (
     "output use with_structured_output(schema) (Pydantic, TypedDict or JSON schema), which decodes under a "
     "JSON-schema grammar and always parses; to run a tool, parse that output and call it yourself"
 )
-
-
-def response_grammar(response_format: Any) -> Grammar:
-    """The grammar of an OpenAI-shaped `response_format` call option.
-
-    Accepts `{"type": "json_object"}` (any JSON object) and
-    `{"type": "json_schema", "json_schema": {"schema": {...}, ...}}`.
-
-    Raises:
-        InvalidRequestError: another shape, or a schema llguidance cannot compile.
-    """
-    if isinstance(response_format, Mapping):
-        kind = response_format.get("type")
-        if kind == "json_object":
-            return Grammar.json_object()
-        spec = response_format.get("json_schema")
-        if kind == "json_schema" and isinstance(spec, Mapping) and isinstance(spec.get("schema"), Mapping):
-            return _schema_grammar(json.dumps(spec["schema"], sort_keys=True))
-    raise InvalidRequestError(
-        f"unsupported response_format {response_format!r}; use {{'type': 'json_object'}} or "
-        "{'type': 'json_schema', 'json_schema': {'schema': <JSON schema>}} (or with_structured_output(schema))"
-    )
-
-
-@functools.lru_cache(maxsize=64)
-def _schema_grammar(schema_json: str) -> Grammar:
-    # NOTE: a Grammar is immutable, so one compiled schema serves every request that binds it.
-    return Grammar.json_schema(json.loads(schema_json))
-
-
-def closed_objects(schema: Any) -> Any:
-    """`schema` with `additionalProperties: false` on every object that lists properties and does
-    not say (OpenAI's strict mode): a small model otherwise invents keys until max_tokens."""
-    if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
-    if not isinstance(schema, Mapping):
-        return schema
-    out = {k: closed_objects(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 class _CompleteJsonMixin:
@@ -136,10 +92,7 @@ def with_structured_output(
     if method == "json_mode" or json_schema is None:
         response_format: dict[str, Any] = {"type": "json_object"}
     else:
-        grammar_schema = json_schema if strict is False else closed_objects(json_schema)
-        response_format = {"type": "json_schema",
-                           "json_schema": {"name": json_schema.get("title", "output"), "schema": grammar_schema,
-                                           "strict": strict is not False}}
+        response_format = json_schema_format(json_schema, strict=strict)
     response_grammar(response_format)  # NOTE: compiled now, so a bad schema fails here, not at invoke
     bound = model.bind(
         response_format=response_format,
@@ -157,4 +110,4 @@ def with_structured_output(
     return RunnableMap(raw=bound) | parsed.with_fallbacks([unparsed], exception_key="parsing_error")
 
 
-__all__ = ["BIND_TOOLS_MESSAGE", "METHODS", "response_grammar", "with_structured_output"]
+__all__ = ["BIND_TOOLS_MESSAGE", "METHODS", "with_structured_output"]

@@ -54,7 +54,7 @@ from fusionrag_core.index import FusionIndex, IngestConfig, corpus_store
 from fusionrag_core.ingest import RESERVED_KEYS, owners_of
 from fusionrag_core.paths import DEFAULT_DATA_DIR, chroma_dir
 from fusionrag_core.store import DiskKVStore, KVStore, StorageDType
-from fusionrag_integrations.langchain.arguments import refuse_unknown
+from fusionrag_integrations.arguments import refuse_unknown
 from fusionrag_integrations.langchain.embeddings import ChromaEmbeddings
 
 DEFAULT_K = 4

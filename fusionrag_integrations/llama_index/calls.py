@@ -3,6 +3,8 @@
 A query engine's synthesizer may call the LLM several times (refine, tree_summarize); the LLM
 records each call's statistics into the list of the query that is running, found through a
 context variable, so one shared LLM serves concurrent queries without per-request state.
+Recordings nest: a call made inside several (a structured predict inside a query) is recorded
+into each.
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
-_CALLS: ContextVar[list[dict[str, Any]] | None] = ContextVar("fusionrag_llm_calls", default=None)
+_CALLS: ContextVar[tuple[list[dict[str, Any]], ...]] = ContextVar("fusionrag_llm_calls", default=())
 
 
 @contextmanager
 def recording(calls: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
     """Within this block, each FusionRAGLLM generation appends its statistics to `calls`."""
-    token = _CALLS.set(calls)
+    token = _CALLS.set((*_CALLS.get(), calls))
     try:
         yield calls
     finally:
@@ -26,9 +28,8 @@ def recording(calls: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
 
 
 def record(stats: dict[str, Any]) -> None:
-    """Append a finished generation's statistics to the running query's list, if any."""
-    calls = _CALLS.get()
-    if calls is not None:
+    """Append a finished generation's statistics to the list of every recording running."""
+    for calls in _CALLS.get():
         calls.append(stats)
 
 

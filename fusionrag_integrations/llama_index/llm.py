@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -27,26 +29,43 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     TextBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
-from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
+from llama_index.core.types import PydanticProgramMode
 
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.learn import DEFAULT_MAX_BYTES, LearnConfig, LearnedCaches, open_learned
+from fusionrag_core.model import check_device
 from fusionrag_core.paths import DEFAULT_DATA_DIR, learned_dir
 from fusionrag_core.prompt import FusionPrompt, clean_output
 from fusionrag_core.reuse import ReuseMonitor, ReuseSources
 from fusionrag_core.stitch import Stitched
 from fusionrag_core.store import KVStore, open_store
+from fusionrag_integrations.arguments import normalize_arguments
 from fusionrag_integrations.llama_index.aio import call_in_thread, iterate_in_thread
-from fusionrag_integrations.llama_index.calls import record
+from fusionrag_integrations.llama_index.calls import record, recording
 from fusionrag_integrations.llama_index.observe import record_call, retrieved_texts
-from fusionrag_integrations.request import check_call_options, generation_stats, request_options, text_pieces
+from fusionrag_integrations.request import (
+    RequestOptions,
+    check_call_options,
+    generation_stats,
+    request_options,
+    text_pieces,
+)
+from fusionrag_integrations.response_format import json_schema_format, response_grammar
+
+Model = TypeVar("Model", bound=BaseModel)
 
 # Per-call keyword arguments `complete`/`chat` accept (they override the LLM's fields for one call).
-GENERATION_KWARGS = frozenset({"max_new_tokens", "temperature", "top_p", "seed", "stop", "selector", "ratio"})
+GENERATION_KWARGS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                               "seed", "stop", "selector", "ratio"})
+# Per-call only: constrain the answer (an OpenAI-shaped value, `response_format.response_grammar`).
+RESPONSE_FORMAT = "response_format"
+# NOTE: the shared HF-name folding (fusionrag_integrations.arguments) targets LangChain's field names.
+_RENAME = {"max_tokens": "max_new_tokens"}
 
 
 def generation_metadata(generation: Generation) -> dict[str, Any]:
@@ -59,6 +78,10 @@ class FusionRAGLLM(CustomLLM):
     """A LlamaIndex LLM that reuses chunk KV caches (FusionRAG) for chunks marked in its prompts.
 
     The model loads lazily on first use (construction is cheap), or pass a built `engine=`.
+    Constructor names follow `HuggingFaceLLM` (`model_name`, `device_map`, `generate_kwargs`, ...;
+    see `__init__`); sampling (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`,
+    `seed`, `stop`) is the core `SamplingConfig`, per LLM or per call. `structured_predict` /
+    `as_structured_llm(cls)` decode under the JSON-schema grammar of the Pydantic class.
     Responses carry `generation_metadata` (TTFT, reused/recomputed tokens, ...) in
     `additional_kwargs` and `raw`; when streaming, the last response (empty `delta`) carries it.
 
@@ -69,13 +92,20 @@ class FusionRAGLLM(CustomLLM):
 
     model: str | None = Field(default=None, description="Model to load (None: the packaged SmolLM2-135M-Instruct).")
     device: str | None = Field(default=None, description="Torch device (None: CUDA if available, else CPU).")
-    dtype: str | None = Field(default=None, description="Torch dtype name (None: bf16 on GPU, fp32 on CPU).")
+    dtype: str | None = Field(default=None, description="Torch dtype name, or a torch.dtype (None: bf16 on GPU, "
+                              "fp32 on CPU); alias torch_dtype.")
     store: str | None = Field(
         default=None, description="KV store directory or redis:// URL where chunk caches are looked up by chunk id."
     )
     max_new_tokens: int = Field(default=64, gt=0, description="Generation budget per call (LLMMetadata.num_output).")
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1.0: off).")
+    top_k: int | None = Field(default=None, description="Sample among the k most likely tokens (None/0: off; "
+                              "NOTE: transformers' generate defaults to 50).")
+    min_p: float | None = Field(default=None, description="Drop tokens below min_p x the top token's probability "
+                                "(None: off).")
+    repetition_penalty: float = Field(default=1.0, description="CTRL repetition penalty over prompt and answer "
+                                      "tokens, also when greedy (1.0: off).")
     seed: int | None = Field(default=None, description="Sampling seed (only matters when temperature > 0).")
     stop: list[str] = Field(default_factory=list, description="Stop strings (excluded from the text).")
     selector: str | None = Field(default=None, description="Recompute selector (None: the engine's default).")
@@ -95,11 +125,22 @@ class FusionRAGLLM(CustomLLM):
     def __init__(self, *, engine: FusionEngine | None = None, kv_store: KVStore | None = None, **data: Any) -> None:
         """Build the LLM; with `engine=`, the model/device/dtype fields must stay unset (`store` may be set).
 
+        Hugging Face names are accepted where they mean a field, as `HuggingFaceLLM` users write
+        them: `model_name` / `model_id` (model), `device_map` (device), `torch_dtype` (dtype, also a
+        `torch.dtype`), `model_kwargs` (`torch_dtype`, `device_map`), `generate_kwargs` /
+        `pipeline_kwargs` (max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
+        do_sample, seed, stop_strings). Any other unknown argument is an error naming the closest
+        valid one; a CUDA device on a machine without CUDA fails here, before any weight is read.
+
         `kv_store`: an open KV store to read caches from (instead of opening `store`).
 
         Raises:
-            InvalidRequestError: `engine=` given together with loading options.
+            InvalidRequestError: an unknown argument or a value the engine refuses, or `engine=`
+                given together with loading options.
         """
+        data = normalize_arguments(data, type(self).model_fields, type(self).__name__, _RENAME)
+        if isinstance(data.get("dtype"), torch.dtype):
+            data["dtype"] = str(data["dtype"]).removeprefix("torch.")
         loading = sorted(k for k in ("model", "device", "dtype") if data.get(k) is not None)
         if engine is not None and loading:
             raise InvalidRequestError(
@@ -108,9 +149,11 @@ class FusionRAGLLM(CustomLLM):
             )
         if kv_store is not None and data.get("store") is not None:
             raise InvalidRequestError("FusionRAGLLM got kv_store= and store=; pass one")
+        check_device(data.get("device"))
         super().__init__(**data)
         self._engine = engine
         self._store = kv_store
+        self._options({})  # NOTE: a bad sampling value fails now, with the core's own message
 
     @classmethod
     def class_name(cls) -> str:
@@ -210,12 +253,62 @@ class FusionRAGLLM(CustomLLM):
         Raises:
             InvalidRequestError: an unknown keyword argument.
         """
-        check_call_options(overrides, GENERATION_KWARGS, owner="FusionRAGLLM")
-        options = request_options({**{k: getattr(self, k) for k in GENERATION_KWARGS}, **overrides})
+        options = self._options(overrides)
         learn = None
         if store is None:
             store, learn = self.reuse_sources(), self._learn if self.learn else None
         return options.stream(self.engine, prompt, store=store, learn=learn)
+
+    def _options(self, overrides: dict[str, Any]) -> RequestOptions:
+        """This LLM's settings with one call's `overrides` (and its `response_format`, if any)."""
+        overrides = dict(overrides)
+        response_format = overrides.pop(RESPONSE_FORMAT, None)
+        check_call_options(overrides, GENERATION_KWARGS, owner="FusionRAGLLM",
+                           hint=f" (and {RESPONSE_FORMAT})")
+        values = {**{k: getattr(self, k) for k in GENERATION_KWARGS}, **overrides}
+        values["grammar"] = response_grammar(response_format) if response_format is not None else None
+        return request_options(values)
+
+    # ---- structured output -------------------------------------------------------------------------
+    # NOTE: LlamaIndex's structured_predict / as_structured_llm run an LLMTextCompletionProgram
+    # (this LLM calls no functions): schema instructions in the prompt, then a Pydantic parse of
+    # the answer. Here the program's chat call also carries the schema's response_format, so
+    # decoding runs under its grammar (llguidance) and the answer always parses; the context's
+    # chunk caches are reused as without it.
+    def structured_predict(self, output_cls: type[Model], prompt: PromptTemplate,
+                           llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Model:
+        """An `output_cls` instance, decoded under the grammar of its JSON schema.
+
+        Raises:
+            InvalidRequestError: the answer reached `max_new_tokens` before its JSON closed, or
+                `pydantic_program_mode` names a program this LLM cannot run.
+        """
+        with _structured_call(self) as calls:
+            return _parsed(calls, lambda: super(FusionRAGLLM, self).structured_predict(
+                output_cls, prompt, _constrained(output_cls, llm_kwargs), **prompt_args))
+
+    async def astructured_predict(self, output_cls: type[Model], prompt: PromptTemplate,
+                                  llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Model:
+        """`structured_predict`, off the event loop."""
+        with _structured_call(self) as calls:
+            try:
+                return await super().astructured_predict(output_cls, prompt, _constrained(output_cls, llm_kwargs),
+                                                         **prompt_args)
+            except Exception as exc:
+                _raise_if_truncated(calls, exc)
+                raise
+
+    def _structured_stream_call(self, output_cls: type[Model], prompt: PromptTemplate,
+                                llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Any:
+        _check_program_mode(self)
+        return super()._structured_stream_call(output_cls, prompt, _constrained(output_cls, llm_kwargs),
+                                               **prompt_args)
+
+    async def _structured_astream_call(self, output_cls: type[Model], prompt: PromptTemplate,
+                                       llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Any:
+        _check_program_mode(self)
+        return await super()._structured_astream_call(output_cls, prompt, _constrained(output_cls, llm_kwargs),
+                                                      **prompt_args)
 
     # ---- completion ------------------------------------------------------------------------------
     def _completion_prompt(self, prompt: str, formatted: bool) -> FusionPrompt:
@@ -304,6 +397,56 @@ class FusionRAGLLM(CustomLLM):
         for text, delta, meta in _accumulate(stream, lambda g: self._finished(request, g, self.reuse_sources())):
             yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
                                additional_kwargs=meta, raw=meta or None)
+
+
+def _constrained(output_cls: type[BaseModel], llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The program's LLM kwargs plus the response_format of `output_cls`'s JSON schema."""
+    kwargs = dict(llm_kwargs or {})
+    if RESPONSE_FORMAT in kwargs:
+        raise InvalidRequestError(
+            f"structured_predict got llm_kwargs[{RESPONSE_FORMAT!r}]; the output class decides the format: drop it"
+        )
+    kwargs[RESPONSE_FORMAT] = json_schema_format(output_cls.model_json_schema())
+    return kwargs
+
+
+def _check_program_mode(llm: FusionRAGLLM) -> None:
+    if llm.pydantic_program_mode not in (PydanticProgramMode.DEFAULT, PydanticProgramMode.LLM):
+        raise InvalidRequestError(
+            f"FusionRAGLLM runs structured output as grammar-constrained text (pydantic_program_mode DEFAULT or "
+            f"LLM), not {llm.pydantic_program_mode.value!r}: leave pydantic_program_mode at its default"
+        )
+
+
+@contextmanager
+def _structured_call(llm: FusionRAGLLM) -> Iterator[list[dict[str, Any]]]:
+    """Check the program mode; collect the statistics of the LLM calls made inside."""
+    _check_program_mode(llm)
+    calls: list[dict[str, Any]] = []
+    with recording(calls):
+        yield calls
+
+
+def _parsed(calls: list[dict[str, Any]], predict: Callable[[], Model]) -> Model:
+    try:
+        return predict()
+    except Exception as exc:
+        _raise_if_truncated(calls, exc)
+        raise
+
+
+def _raise_if_truncated(calls: list[dict[str, Any]], exc: Exception) -> None:
+    """Say so when a parse failed because the answer hit max_new_tokens (the grammar admits only
+    valid JSON, so that is the one way it fails to parse).
+
+    Raises:
+        InvalidRequestError: the last call ended at max_new_tokens.
+    """
+    if calls and calls[-1].get("finish_reason") == "length":
+        raise InvalidRequestError(
+            f"the structured answer reached max_new_tokens ({calls[-1].get('completion_tokens')} tokens) before its "
+            "JSON was complete; raise max_new_tokens (FusionRAGLLM(max_new_tokens=...) or llm_kwargs)"
+        ) from exc
 
 
 def _message_dict(message: ChatMessage) -> dict[str, str]:

@@ -1,10 +1,14 @@
-"""Constructor arguments the way langchain-huggingface users write them.
+"""Constructor arguments the way langchain-huggingface and llama-index-llms-huggingface users write them.
 
-`ChatFusionRAG(...)` / `FusionRAGLLM(...)` accept the Hugging Face ecosystem's names where they
-mean the same thing as a field (`model_id`, `max_new_tokens`, `device_map`, `torch_dtype`,
-`model_kwargs`, `pipeline_kwargs` / `generate_kwargs`), fold them into that field, and refuse
-everything else: an unknown argument, or a known one this engine cannot honour, is an error that
-names the closest valid argument. Nothing is dropped silently.
+The LangChain `ChatFusionRAG(...)` / `FusionRAGLLM(...)` and the LlamaIndex `FusionRAGLLM(...)`
+accept the Hugging Face ecosystem's names where they mean the same thing as a field (`model_id`,
+`model_name`, `max_new_tokens`, `device_map`, `torch_dtype`, `model_kwargs`, `pipeline_kwargs` /
+`generate_kwargs`), fold them into that field, and refuse everything else: an unknown argument,
+or a known one this engine cannot honour, is an error that names the closest valid argument.
+Nothing is dropped silently.
+
+Targets are spelled as the LangChain fields (`max_tokens`); an integration whose field is named
+otherwise passes `rename` (LlamaIndex: `{"max_tokens": "max_new_tokens"}`).
 """
 
 from __future__ import annotations
@@ -67,23 +71,28 @@ def refuse_unknown(kwargs: Mapping[str, Any], valid: Iterable[str], owner: str) 
         raise InvalidRequestError(f"{owner} got unknown argument(s) {unknown}; it takes {sorted(names)}")
 
 
-def normalize_arguments(data: Mapping[str, Any], fields: Iterable[str], owner: str) -> dict[str, Any]:
+def normalize_arguments(data: Mapping[str, Any], fields: Iterable[str], owner: str,
+                        rename: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Constructor keyword arguments with every HF-ecosystem alias folded into its field.
 
     Args:
         data: the keyword arguments as given.
         fields: the model's field names (what stays as is).
         owner: class name, for messages.
+        rename: target field -> the model's name for it (e.g. `{"max_tokens": "max_new_tokens"}`).
 
     Raises:
         InvalidRequestError: an unknown argument, a value the engine cannot honour, or an alias
             and its field both given with different values.
     """
     valid = set(fields)
+    names = dict(rename or {})
+    aliases = {alias: names.get(field, field) for alias, field in FIELD_ALIASES.items() if alias not in valid}
     out: dict[str, Any] = {}
     sources: dict[str, str] = {}
 
     def put(field: str, value: Any, source: str) -> None:
+        field = names.get(field, field)
         if field in out and out[field] != value:
             raise InvalidRequestError(
                 f"{owner} got {sources[field]}={out[field]!r} and {source}={value!r}: they set the same thing "
@@ -99,13 +108,13 @@ def normalize_arguments(data: Mapping[str, Any], fields: Iterable[str], owner: s
         elif name in ("pipeline_kwargs", "generate_kwargs"):
             for key, field, val in _generate_kwargs(value, owner, name):
                 put(field, val, f"{name}[{key!r}]")
-        elif name in FIELD_ALIASES:
-            field = FIELD_ALIASES[name]
-            put(field, device_name(value, owner) if field == "device" else value, name)
         elif name in valid:
             put(name, device_name(value, owner) if name == "device" else value, name)
+        elif name in aliases:
+            field = aliases[name]
+            put(field, device_name(value, owner) if field == "device" else value, name)
         else:
-            hint = closest(name, valid | set(FIELD_ALIASES) | {"model_kwargs", "pipeline_kwargs", "generate_kwargs"})
+            hint = closest(name, valid | set(aliases) | {"model_kwargs", "pipeline_kwargs", "generate_kwargs"})
             raise InvalidRequestError(f"{owner} got an unknown argument {name!r}{hint}")
     return out
 

@@ -1,0 +1,74 @@
+"""OpenAI-shaped `response_format` values -> the grammar a request decodes under (both integrations).
+
+`{"type": "json_object"}` is any JSON object; `{"type": "json_schema", "json_schema": {"schema":
+...}}` is JSON valid under the schema, compiled by llguidance (`fusionrag_core.constrained`). The
+LangChain models take it as a call option (`with_structured_output` binds it); the LlamaIndex LLM
+passes it from `structured_predict` / `as_structured_llm` to its own chat call.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from fusionrag_core.constrained import Grammar
+from fusionrag_core.errors import InvalidRequestError
+
+
+def json_schema_format(json_schema: Mapping[str, Any], *, strict: bool | None = None) -> dict[str, Any]:
+    """The `response_format` that constrains an answer to `json_schema`.
+
+    Args:
+        json_schema: a JSON schema (e.g. a Pydantic class's `model_json_schema()`).
+        strict: None/True: as OpenAI's strict mode, objects admit only their listed properties
+            (`closed_objects`); False: the schema as written.
+    """
+    schema = dict(json_schema) if strict is False else closed_objects(json_schema)
+    name = json_schema.get("title", "output")
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": strict is not False}}
+
+
+def response_grammar(response_format: Any) -> Grammar:
+    """The grammar of an OpenAI-shaped `response_format` call option.
+
+    Accepts `{"type": "json_object"}` (any JSON object) and
+    `{"type": "json_schema", "json_schema": {"schema": {...}, ...}}`.
+
+    Raises:
+        InvalidRequestError: another shape, or a schema llguidance cannot compile.
+    """
+    if isinstance(response_format, Mapping):
+        kind = response_format.get("type")
+        if kind == "json_object":
+            return Grammar.json_object()
+        spec = response_format.get("json_schema")
+        if kind == "json_schema" and isinstance(spec, Mapping) and isinstance(spec.get("schema"), Mapping):
+            return _schema_grammar(json.dumps(spec["schema"], sort_keys=True))
+    raise InvalidRequestError(
+        f"unsupported response_format {response_format!r}; use {{'type': 'json_object'}} or "
+        "{'type': 'json_schema', 'json_schema': {'schema': <JSON schema>}} (or with_structured_output(schema))"
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _schema_grammar(schema_json: str) -> Grammar:
+    # NOTE: a Grammar is immutable, so one compiled schema serves every request that binds it.
+    return Grammar.json_schema(json.loads(schema_json))
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object that lists properties and does
+    not say (OpenAI's strict mode): a small model otherwise invents keys until max_tokens."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: closed_objects(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+__all__ = ["closed_objects", "json_schema_format", "response_grammar"]
