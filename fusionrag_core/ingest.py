@@ -468,7 +468,9 @@ class Ingestor:
             old = {k: v for k, v in row.metadata.items() if k not in RESERVED_KEYS}
             if old != c.metadata or row.metadata.get(CHUNK_INDEX_KEY) != c.index:
                 ids.append(cid)
-                metas.append({**dict.fromkeys(old), **c.metadata, CHUNK_INDEX_KEY: c.index})
+                # NOTE: LlamaIndex's node record holds the user's metadata too (chunk_record.node_record).
+                metas.append({**dict.fromkeys(old), **c.metadata, CHUNK_INDEX_KEY: c.index,
+                              **node_record(cid, c.doc_id, c.metadata)})
         for start in range(0, len(ids), self.config.batch_size):
             sl = slice(start, start + self.config.batch_size)
             # NOTE: Chroma's update merges metadata; a None value deletes the key.

@@ -135,6 +135,12 @@ def test_fusion_index_corpus_reads_through_llama_index_chroma_vector_store(
     assert response.metadata["reused_tokens"] > 0 and response.metadata["cache_misses"] == 0
     assert all(index.store.has(n.node.node_id, "fused") for n in response.source_nodes)
 
+    # a document added again with new metadata: LlamaIndex's node record follows it
+    report = index.add_texts([TEXTS[0]], metadatas=[{"source": "renamed.md"}])
+    (cid,) = report.chunk_ids[0]
+    (node,) = vector_store.get_nodes(node_ids=[cid])
+    assert node.metadata["source"] == "renamed.md" and "source: renamed.md" in node.get_content(MetadataMode.LLM)
+
 
 def test_standard_llama_index_engine_reuses_and_shows_no_bookkeeping(
         engine: FusionEngine, embed: FusionRAGEmbedding, tmp_path: Path) -> None:
