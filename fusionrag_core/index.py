@@ -313,8 +313,7 @@ def _bind(
                 "choose another collection name for a FusionRAG index"
             )
         chosen = config or IngestConfig()
-        collection.modify(metadata={
-            **metadata,
+        vectordb.record_metadata(collection, {
             MODEL_KEY: engine.fingerprint,
             MODEL_NAME_KEY: engine.name,
             INGEST_KEY: json.dumps(chosen.identity(), sort_keys=True),

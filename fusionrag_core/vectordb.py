@@ -284,8 +284,18 @@ def collection_in(
     if empty and (present.get(EMBEDDING_META_KEY) is None or corpus_id_of(present) is None):
         # NOTE: an empty collection made elsewhere (or before corpus ids) becomes a corpus of its own.
         adopted = {EMBEDDING_META_KEY: wanted, CORPUS_ID_KEY: corpus_id_of(present) or new_corpus_id()}
-        collection.modify(metadata={**present, **adopted})
+        record_metadata(collection, adopted)
     return collection
+
+
+def record_metadata(collection: Collection, updates: Mapping[str, Primitive]) -> None:
+    """Add `updates` to the collection's metadata (the other keys kept).
+
+    NOTE: Chroma refuses a metadata update that holds an index setting (`hnsw:space`, ...), even an
+    unchanged one: those keys only configure the index at creation, so they are left out of the update.
+    """
+    current = {k: v for k, v in (collection.metadata or {}).items() if not str(k).startswith("hnsw:")}
+    collection.modify(metadata={**current, **updates})
 
 
 def _cosine_configuration(

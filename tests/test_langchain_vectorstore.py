@@ -54,10 +54,10 @@ def engine(tokenizer: PreTrainedTokenizerBase, one_thread: None) -> FusionEngine
     return tiny_engine(tokenizer)
 
 
-def _store(engine: FusionEngine, path: Path, embeddings: Embeddings | None = None, **kwargs: Any
-           ) -> FusionRAGVectorStore:
-    return FusionRAGVectorStore(collection_name="corpus", embedding_function=embeddings or DeterministicFakeEmbedding(
-        size=8), persist_directory=path, engine=engine, config=CONFIG, **kwargs)
+def _store(engine: FusionEngine, path: Path, embeddings: Embeddings | None = None, collection_name: str = "corpus",
+           **kwargs: Any) -> FusionRAGVectorStore:
+    return FusionRAGVectorStore(collection_name=collection_name, persist_directory=path, engine=engine, config=CONFIG,
+                                embedding_function=embeddings or DeterministicFakeEmbedding(size=8), **kwargs)
 
 
 class TableEmbeddings(Embeddings):
@@ -186,6 +186,10 @@ def test_persisted_store_keeps_caches_beside_chroma_and_reopens(engine: FusionEn
     through_client = FusionRAGVectorStore(collection_name="corpus", client=client, engine=engine,
                                           embedding_function=DeterministicFakeEmbedding(size=8))
     assert through_client.index.store.list_ids() == chunk_ids
+    # NOTE: langchain-chroma's way to ask for cosine; Chroma refuses index keys in later metadata updates.
+    legacy = _store(engine, tmp_path, collection_name="legacy", collection_metadata={"hnsw:space": "cosine"})
+    legacy.add_texts(TEXTS[:1], ids=["x"])
+    assert legacy.similarity_search_with_score(TEXTS[0], k=1)[0][1] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_in_memory_stores_of_one_collection_share_its_caches(engine: FusionEngine) -> None:
