@@ -23,10 +23,11 @@ from langchain_tests.integration_tests import RetrieversIntegrationTests, Vector
 from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.engine import FusionEngine
-from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.errors import CorpusLockedError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest import NEIGHBOURS_KEY, IngestConfig
 from fusionrag_core.kv import neighbours_digest
+from fusionrag_core.lock import writing
 from fusionrag_core.paths import kv_dir
 from fusionrag_integrations.langchain import FusionRAGRetriever, FusionRAGVectorStore
 from fusionrag_integrations.langchain.embeddings import ChromaEmbeddings
@@ -388,6 +389,19 @@ def test_threads_searching_one_store_get_their_own_results(table_store: FusionRA
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(search, range(16)))
     assert results == [(["A", "C"] if i % 2 else ["C"]) for i in range(16)]
+
+
+@pytest.mark.anyio
+async def test_concurrent_async_adds_queue_for_the_corpus_writer_lock(engine: FusionEngine, tmp_path: Path) -> None:
+    import asyncio
+
+    store = _store(engine, tmp_path)
+    ids = await asyncio.gather(*(store.aadd_texts([text], ids=[f"t{i}"]) for i, text in enumerate(TEXTS)))
+    assert ids == [[f"t{i}"] for i in range(len(TEXTS))] and len(store.index) == len(TEXTS)
+    assert store.index.verify(repair=False).ok
+    impatient = _store(engine, tmp_path, writer_wait_s=0.0)
+    with writing(impatient.index.store, "test"), pytest.raises(CorpusLockedError):
+        impatient.add_texts(["One more text."])
 
 
 @pytest.mark.servers

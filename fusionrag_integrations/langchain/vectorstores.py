@@ -28,6 +28,7 @@ text in any prompt. `FusionRAGRetriever(index=store.index)` returns chunk-id Doc
 from __future__ import annotations
 
 import inspect
+import math
 import tempfile
 import threading
 import uuid
@@ -93,6 +94,10 @@ class FusionRAGVectorStore(VectorStore):
         redis_url: caches in Redis, namespaced by the corpus id the collection records.
         config: chunking and fusion settings (None: the collection's own, or the defaults).
         storage_dtype: dtype of stored keys/values.
+        writer_wait_s: how long a write (add, delete) waits for another writer of the corpus (a
+            thread, an `aadd_documents` running beside it, another process) before failing with
+            `CorpusLockedError`; default forever, as writes to langchain-chroma queue. One writer
+            at a time per corpus (`fusionrag_core.lock`); searches never wait.
 
     With no client, persist_directory, host, cloud key or data_dir, Chroma is in memory (as
     langchain-chroma) and so are the caches: a temporary directory per collection, removed at exit.
@@ -136,6 +141,7 @@ class FusionRAGVectorStore(VectorStore):
         redis_url: str | None = None,
         config: IngestConfig | None = None,
         storage_dtype: StorageDType = "float16",
+        writer_wait_s: float = math.inf,
         **kwargs: Any,
     ) -> None:
         refuse_unknown(kwargs, _parameters(FusionRAGVectorStore.__init__), "FusionRAGVectorStore")
@@ -149,7 +155,7 @@ class FusionRAGVectorStore(VectorStore):
                                collection_configuration=collection_configuration, client=client,
                                create_collection_if_not_exists=create_collection_if_not_exists, ssl=ssl, engine=engine,
                                data_dir=data_dir, kv_store=kv_store, redis_url=redis_url, config=config,
-                               storage_dtype=storage_dtype)
+                               storage_dtype=storage_dtype, writer_wait_s=writer_wait_s)
             self._embedding_function = _embeddings_of(index, embedding_function)
             self._index: FusionIndex | None = index
             return
@@ -164,7 +170,7 @@ class FusionRAGVectorStore(VectorStore):
                 place.client, collection_name, ef, place.where, metadata=collection_metadata,
                 configuration=cast(Mapping[str, Any] | None, collection_configuration), create=create)
             store = _kv_store(collection, place, data_dir, kv_store, redis_url, storage_dtype)
-            return FusionIndex(model, collection, store, config, embedding_function=ef)
+            return FusionIndex(model, collection, store, config, embedding_function=ef, writer_wait_s=writer_wait_s)
 
         self._open = open_index
         self._index = open_index(create_collection_if_not_exists is not False)
