@@ -41,7 +41,7 @@ from fusionrag_core.cli import main as cli_main
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.index import FusionIndex, IngestConfig
 from fusionrag_core.prompt import strip_marks
-from fusionrag_integrations.langchain import ChatFusionRAG
+from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGVectorStore
 from fusionrag_integrations.langchain import FusionRAGRetriever as LCRetriever
 from fusionrag_integrations.langchain.documents import format_docs
 from fusionrag_integrations.llama_index import (
@@ -195,6 +195,12 @@ def test_llama_index_pipeline_corpus_reads_through_fusion_index_langchain_and_th
     chain = {"context": LCRetriever(index=index, k=2) | user_format_docs, "question": RunnablePassthrough()} | PROMPT
     (chain | ChatFusionRAG(index=index, max_tokens=3, learn=False)).invoke(QUESTION, config={"callbacks": [results]})
     assert results.metadata["reused_tokens"] > 0 and results.metadata["cache_misses"] == 0
+
+    # LangChain's vector store over the same corpus: a document per chunk, the caller's metadata only
+    found = FusionRAGVectorStore(index=index).similarity_search(QUESTION, k=2)
+    assert len(found) == 2 and all(d.metadata["file_name"].startswith("doc") for d in found)
+    assert all(not RESERVED_KEYS.intersection(d.metadata) for d in found)
+    assert {d.page_content for d in found} == {h.text for h in hits}
 
     # the CLI opens the same corpus (data dir + collection name) and reuses its caches
     argv = ["--db", str(tmp_path / "db"), "--collection", "li-route", "ask", QUESTION, "--max-tokens", "2", "-k", "2"]
