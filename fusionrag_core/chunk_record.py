@@ -119,6 +119,20 @@ def node_record(chunk_id: str, doc_id: str, metadata: Mapping[str, Primitive]) -
     return {NODE_CONTENT_KEY: json.dumps(node, ensure_ascii=False), NODE_TYPE_KEY: _TEXT_NODE}
 
 
+def record_upgrade(chunk_id: str, metadata: Mapping[str, Any]) -> dict[str, Primitive] | None:
+    """The keys an entry FusionIndex wrote before node records existed lacks, or None if it has them.
+
+    Such an entry is read by LlamaIndex's legacy reader, which shows every flat key to the LLM;
+    with its node record added it reads like a new one.
+    """
+    doc_id = metadata.get(DOC_ID_KEY)
+    if NODE_CONTENT_KEY in metadata or OWNERS_KEY not in metadata or not isinstance(doc_id, str):
+        return None
+    own = {k: v for k, v in metadata.items() if k not in RESERVED_KEYS}
+    return {CHUNK_ID_KEY: chunk_id, **dict.fromkeys(LLAMA_INDEX_DOC_KEYS, doc_id),
+            **node_record(chunk_id, doc_id, own)}
+
+
 def is_chunk_entry(chunk_id: str, metadata: Mapping[str, Any]) -> bool:
     """Whether an entry was written by a FusionRAG route (its id is a chunk id with caches).
 
@@ -146,5 +160,6 @@ __all__ = [
     "is_chunk_entry",
     "node_record",
     "ownership",
+    "record_upgrade",
     "user_metadata",
 ]

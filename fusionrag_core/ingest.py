@@ -59,6 +59,7 @@ from fusionrag_core.chunk_record import (
     fusion_state,
     node_record,
     ownership,
+    record_upgrade,
 )
 from fusionrag_core.chunking import Chunker, ChunkingConfig, chunk_id
 from fusionrag_core.engine import FusionEngine
@@ -700,7 +701,17 @@ class Ingestor:
             self.repair(problems)
         if repair and not interrupted:
             self._index_texts()
+            self._record_nodes()
         return problems.report
+
+    def _record_nodes(self) -> None:
+        """Give entries written before LlamaIndex node records theirs (`chunk_record.record_upgrade`),
+        so LlamaIndex's ChromaVectorStore reads them with the bookkeeping hidden."""
+        for page in vectordb.scan(self.collection, ["metadatas"]):
+            upgrades = {cid: record_upgrade(cid, row.metadata) for cid, row in page.items()}
+            ids = [cid for cid, upgrade in upgrades.items() if upgrade]
+            if ids:
+                vectordb.update_metadata(self.collection, ids, [upgrades[cid] or {} for cid in ids])
 
     def _index_texts(self) -> None:
         """Record every chunk's text in the store's content index (corpora ingested before it existed

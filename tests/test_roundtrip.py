@@ -36,7 +36,7 @@ from llama_index.core.schema import MetadataMode
 from llama_index.vector_stores.chroma import ChromaVectorStore
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.chunk_record import INTERNAL_KEYS, OWNERS_KEY, RESERVED_KEYS
+from fusionrag_core.chunk_record import CHUNK_ID_KEY, INTERNAL_KEYS, NODE_RECORD_KEYS, OWNERS_KEY, RESERVED_KEYS
 from fusionrag_core.cli import main as cli_main
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.index import FusionIndex, IngestConfig
@@ -228,3 +228,21 @@ def test_legacy_fusion_index_entries_are_read_with_bookkeeping_hidden(engine: Fu
     for mode in (MetadataMode.LLM, MetadataMode.EMBED):
         text = hits[0].node.get_content(mode)
         assert "source: doc0.md" in text and not [k for k in RESERVED_KEYS if k in text] and "b" * 32 not in text
+
+
+def test_verify_gives_entries_written_before_node_records_theirs(engine: FusionEngine, tmp_path: Path) -> None:
+    index = FusionIndex.open(engine, tmp_path, collection_name="fi-old", config=CONFIG)
+    index.add_texts(TEXTS[:2], metadatas=[{"source": "doc0.md"}, {"source": "doc1.md"}])
+    ids = index.collection.get(include=[])["ids"]
+    # NOTE: as a corpus ingested before node records (Chroma's update deletes a key set to None)
+    dropped = dict.fromkeys([*NODE_RECORD_KEYS, CHUNK_ID_KEY])
+    index.collection.update(ids=ids, metadatas=[dropped] * len(ids))  # type: ignore[list-item]
+    vector_store = ChromaVectorStore(chroma_collection=index.collection)
+    assert all(_leaks(n.get_content(MetadataMode.LLM), index) for n in vector_store.get_nodes(node_ids=ids))
+
+    assert index.verify().ok
+    for node in vector_store.get_nodes(node_ids=ids):
+        text = node.get_content(MetadataMode.LLM)
+        assert "source: doc" in text and not _leaks(text, index), text
+        assert node.node_id in ids and node.ref_doc_id in index.document_ids()
+    assert index.verify(repair=False).ok
