@@ -198,6 +198,12 @@ def test_as_structured_llm_and_async_and_stream(tiny_engine: FusionEngine, store
     partials = list(llm.stream_structured_predict(Verdict, PROMPT, context=context))
     assert partials and Verdict.model_validate(partials[-1].model_dump()) == verdict
 
+    async def astream() -> list[Any]:
+        return [p async for p in await llm.astream_structured_predict(Verdict, PROMPT, context=context)]
+
+    apartials = asyncio.run(astream())
+    assert apartials and Verdict.model_validate(apartials[-1].model_dump()) == verdict
+
 
 def test_truncated_structured_answer_says_to_raise_max_new_tokens(tiny_engine: FusionEngine, store: KVStore) -> None:
     with pytest.raises(InvalidRequestError, match="raise max_new_tokens"):
