@@ -46,7 +46,8 @@ def quartiles(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "q1": q[0], "q3": q[2], "n": len(xs)}
 
 
-def phases(engine: FusionEngine, prompt: Any, caches: dict[str, Any], selector: str, ratio: float) -> tuple[float, float]:
+def phases(engine: FusionEngine, prompt: Any, caches: dict[str, Any], selector: str,
+           ratio: float) -> tuple[float, float]:
     """(select, recompute) seconds of one request, run as `FusionEngine` runs them."""
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     exact = torch.equal(prompt.prefix.cpu(), engine.layout.prefix_ids(engine.config.instruction))
