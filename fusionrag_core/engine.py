@@ -108,6 +108,8 @@ class Generation:
         context_tokens: tokens between prefix and question (chunks and the text around them).
         first_token_logits: `[V]` fp32 logits of the first generated position.
         cache_misses: chunk id -> why its cache was not used (it was prefilled instead).
+        found_by: chunk id -> how the prompt named that chunk (`prompt.FoundBy`: "given", "mark",
+            "content", "document", "mark_then_content", "mark_then_document").
         cache_variants: reused chunks per cache variant; a missing fused cache falls back to the
             independent one, and this is where that shows.
         kv_tiers: this request's chunk loads from a store, per tier: `{device,host,store}_hits`
@@ -129,6 +131,7 @@ class Generation:
     kv_bytes_loaded: int
     first_token_logits: torch.Tensor
     cache_misses: dict[str, str] = field(default_factory=dict)
+    found_by: dict[str, str] = field(default_factory=dict)
     cache_variants: dict[str, int] = field(default_factory=dict)
     kv_tiers: dict[str, int] = field(default_factory=dict)
     prefilled_tokens: int = 0
@@ -319,10 +322,12 @@ class FusionEngine:
         *,
         find: Callable[[str], Sequence[Match]] | None = None,
         documents: Mapping[str, str] | None = None,
+        has_cache: Callable[[str], bool] | None = None,
     ) -> FusionPrompt:
         """A request from chat messages: chunks found by mark, by content (`find`) or as retrieved
-        `documents` (content id -> text) become chunk segments (see `PromptLayout.from_messages`)."""
-        return self.layout.from_messages(messages, find=find, documents=documents)
+        `documents` (content id -> text) become chunk segments; a mark whose id fails `has_cache`
+        is found by its text instead (see `PromptLayout.from_messages`)."""
+        return self.layout.from_messages(messages, find=find, documents=documents, has_cache=has_cache)
 
     # ---- caches ----------------------------------------------------------------------------------
     def prefix_cache(self, prefix_ids: torch.Tensor) -> ChunkKV | None:
@@ -605,6 +610,7 @@ class FusionEngine:
             kv_bytes_loaded=st.kv_bytes_loaded,
             first_token_logits=prepared.first_logits.detach().cpu(),
             cache_misses=dict(st.misses),
+            found_by={s.chunk_id: s.found_by for s in prompt.segments if s.chunk_id and s.found_by},
             cache_variants=dict(st.variants),
             kv_tiers=tiers.as_dict() if tiers is not None else {},
             prefilled_tokens=prepared.prefilled_tokens,

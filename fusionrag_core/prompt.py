@@ -9,7 +9,9 @@ Chunks are also found inside a *flattened* prompt (what LangChain and LlamaIndex
 `recognise.ContentIndex`), as retrieved documents (whose K/V may be learned, see `learn.py`), or
 by `mark_chunk` marks, the explicit fast path: private-use code points around the chunk's text
 carrying its chunk id and a MAC under a per-process key, so only this process can make one. Marks
-never reach the tokenizer; text where nothing is found is simply prefilled.
+never reach the tokenizer; text where nothing is found is simply prefilled. A mark whose id has no
+cache (a LangChain *document* id, say) falls back to finding its text by content; each chunk
+segment records which route found it (`Segment.found_by`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import hmac
 import re
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -119,6 +121,15 @@ def clean_output(text: str) -> str:
     return text.translate(_MARK_DELETE)
 
 
+FoundBy = Literal["given", "mark", "content", "document", "mark_then_content", "mark_then_document"]
+"""How a chunk segment was found: named by id in a canonical prompt ("given"); by its `mark_chunk`
+mark; by content (a stored chunk's text, `recognise.ContentIndex`); as a retrieved document's text;
+or, for a mark whose id has no cache, by its marked text's content or as a retrieved document
+("mark_then_content", "mark_then_document")."""
+
+_AFTER_MARK: dict[str, FoundBy] = {"content": "mark_then_content", "document": "mark_then_document"}
+
+
 @dataclass(frozen=True)
 class Segment:
     """A piece of context. `chunk_id` set: a chunk whose cache may be reused; else plain text.
@@ -131,6 +142,7 @@ class Segment:
         text: the chunk's text, when known (a chunk found in a flattened prompt).
         learn: whether the K/V computed for it, when it had no cache, may be kept as its cache
             (chunks found by content or retrieved documents: their id is their content's).
+        found_by: how a chunk was found (see `FoundBy`); None for plain text.
     """
 
     kind: Literal["chunk", "text"]
@@ -138,6 +150,7 @@ class Segment:
     chunk_id: str | None = None
     text: str | None = None
     learn: bool = False
+    found_by: FoundBy | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -227,7 +240,7 @@ class PromptLayout:
     ) -> FusionPrompt:
         """The canonical request: `chunks` are `(chunk_id or None, token ids)` pairs, in prompt order."""
         segments = tuple(
-            Segment("chunk" if cid else "text", ids, cid) for cid, ids in chunks
+            Segment("chunk", ids, cid, found_by="given") if cid else Segment("text", ids) for cid, ids in chunks
         )
         return FusionPrompt(self.prefix_ids(instruction), segments, self.question_ids(question, instruction))
 
@@ -255,15 +268,16 @@ class PromptLayout:
 
     def guard(self, text: str) -> str:
         """User or document text with every special-token string replaced by a guard."""
+        # NOTE: genuine marks pass unchanged (their MAC covers the text; it is tokenized as plain text).
+        return "".join(self._guard_text(p) if isinstance(p, str) else mark_chunk(p.chunk_id, p.text)
+                       for p in split_marks(text))
+
+    def _guard_text(self, text: str) -> str:
+        """`guard` for text read as plain context through and through (a mark's own text included)."""
         if self._special_re is None:
             return text
-        index, pattern = self._special_index, self._special_re
-
-        def plain(piece: str) -> str:
-            return pattern.sub(lambda m: f"{_GUARD_OPEN}{index[m.group(0)]}{_GUARD_CLOSE}", piece)
-
-        # NOTE: genuine marks pass unchanged (their MAC covers the text; it is tokenized as plain text).
-        return "".join(plain(p) if isinstance(p, str) else mark_chunk(p.chunk_id, p.text) for p in split_marks(text))
+        index = self._special_index
+        return self._special_re.sub(lambda m: f"{_GUARD_OPEN}{index[m.group(0)]}{_GUARD_CLOSE}", text)
 
     def unguard(self, text: str) -> str:
         """`guard`'s inverse: the text as the user or the document wrote it."""
@@ -291,6 +305,7 @@ class PromptLayout:
         add_generation_prompt: bool = True,
         find: Callable[[str], Sequence[Match]] | None = None,
         documents: Mapping[str, str] | None = None,
+        has_cache: Callable[[str], bool] | None = None,
     ) -> FusionPrompt:
         """Split a rendered conversation into a FusionPrompt at the chunks found in it.
 
@@ -299,9 +314,25 @@ class PromptLayout:
         text of documents retrieved for this request), whose K/V may be learned as their cache.
         Each becomes a chunk segment (its cache is used only if the token ids match); text between
         chunks is plain context; text before the first is the prefix, after the last the question.
+
+        With `has_cache` (is a cache stored under this id?), a mark whose id has none is read as
+        context: its text is searched by content and for documents like any other text (a long
+        document's text finds its several chunks, in order), and what is found there is reused
+        with `found_by` "mark_then_content" / "mark_then_document". A mark whose text holds
+        nothing found stays a chunk under its own id (a reported miss). Without `has_cache`
+        every mark is taken at its id.
         """
         rendered = self.render(messages, add_generation_prompt=add_generation_prompt)
-        pieces = _locate(rendered, find, {cid: self.guard(doc) for cid, doc in (documents or {}).items()})
+        docs = {cid: self.guard(doc) for cid, doc in (documents or {}).items()}
+        pieces: list[str | _Found] = []
+        for part in split_marks(rendered):
+            if isinstance(part, str):
+                pieces += _recognised(part, find, docs)
+            elif has_cache is None or has_cache(part.chunk_id):
+                pieces.append(_Found(part.chunk_id, part.text, "mark"))
+            else:
+                pieces += self._mark_fallback(part, find, docs)
+        pieces = _joined(pieces)
         if not any(isinstance(p, _Found) for p in pieces):
             return FusionPrompt(_ids([]), (), _ids(self.tokenize_rendered("".join(map(str, pieces)))))
         first = next(i for i, p in enumerate(pieces) if isinstance(p, _Found))
@@ -325,6 +356,21 @@ class PromptLayout:
             raise InvalidRequestError("the prompt ends with a chunk: put the question after the context")
         return FusionPrompt(prefix, tuple(segments), question)
 
+    def _mark_fallback(self, mark: MarkedChunk, find: Callable[[str], Sequence[Match]] | None,
+                       documents: Mapping[str, str]) -> list[str | _Found]:
+        """A mark whose id has no cache: the chunks found in its text, else the mark (a miss).
+
+        NOTE: no text chooses a cache here either: content matches are verified by a digest of a
+        stored chunk's whole text, and documents are this request's retrieved texts under their
+        content id. The text is guarded like any context (its special-token strings stay plain).
+        """
+        pieces = _recognised(self._guard_text(mark.text), find, documents)
+        if not any(isinstance(p, _Found) for p in pieces):
+            return [_Found(mark.chunk_id, mark.text, "mark")]
+        routed = [replace(p, source=_AFTER_MARK[p.source]) if isinstance(p, _Found) else p for p in pieces]
+        # NOTE: a mark stands for "text + separator": the separator stays, taken into a chunk that ends the text.
+        return [*routed, CHUNK_SEPARATOR]
+
     def _chunk_segment(self, found: _Found, pieces: list[str | _Found], i: int) -> Segment:
         """A found chunk as a segment; a separator right after it in the prompt is taken into it.
 
@@ -332,7 +378,7 @@ class PromptLayout:
         """
         following = pieces[i + 1] if i + 1 < len(pieces) else ""
         if found.source != "mark":  # found in guarded text: the chunk as its document wrote it
-            found = _Found(found.chunk_id, self.unguard(found.text), found.source)
+            found = replace(found, text=self.unguard(found.text))
         if found.source == "mark":
             ids = self.chunk_ids(found.text)
         elif isinstance(following, str) and following.startswith(CHUNK_SEPARATOR) and (
@@ -341,7 +387,7 @@ class PromptLayout:
             pieces[i + 1] = following[len(CHUNK_SEPARATOR):]
         else:
             ids = _ids(tokenize_plain(self.tokenizer, found.text))
-        return Segment("chunk", ids, found.chunk_id, found.text, learn=found.source != "mark")
+        return Segment("chunk", ids, found.chunk_id, found.text, learn=found.source != "mark", found_by=found.source)
 
 
 @dataclass(frozen=True)
@@ -350,27 +396,30 @@ class _Found:
 
     chunk_id: str
     text: str
-    source: Literal["mark", "content", "document"]
+    source: FoundBy
 
 
-def _locate(text: str, find: Callable[[str], Sequence[Match]] | None,
-            documents: Mapping[str, str]) -> list[str | _Found]:
-    """`text` as plain pieces and found chunks, in order; marks first, then content, then documents."""
+def _recognised(text: str, find: Callable[[str], Sequence[Match]] | None,
+                documents: Mapping[str, str]) -> list[str | _Found]:
+    """Plain `text` as plain pieces and the chunks found in it, in order: content first, then documents."""
+    spans = [(m.start, m.end, m.chunk_id, "content") for m in find(text)] if find is not None else []
+    spans += _document_spans(text, documents, spans)
     out: list[str | _Found] = []
-    for part in split_marks(text):
-        if isinstance(part, MarkedChunk):
-            out.append(_Found(part.chunk_id, part.text, "mark"))
-            continue
-        spans = [(m.start, m.end, m.chunk_id, "content") for m in find(part)] if find is not None else []
-        spans += _document_spans(part, documents, spans)
-        at = 0
-        for start, end, chunk_id, source in sorted(spans):
-            if start > at:
-                out.append(part[at:start])
-            out.append(_Found(chunk_id, part[start:end], source))  # type: ignore[arg-type]
-            at = end
-        if at < len(part) or not out:
-            out.append(part[at:])
+    at = 0
+    for start, end, chunk_id, source in sorted(spans):
+        out += [text[at:start], _Found(chunk_id, text[start:end], source)]  # type: ignore[arg-type]
+        at = end
+    return [*out, text[at:]]
+
+
+def _joined(pieces: Sequence[str | _Found]) -> list[str | _Found]:
+    """`pieces` with adjacent plain pieces joined and empty ones dropped."""
+    out: list[str | _Found] = []
+    for piece in pieces:
+        if isinstance(piece, str) and out and isinstance(out[-1], str):
+            out[-1] += piece
+        elif piece != "":
+            out.append(piece)
     return out
 
 

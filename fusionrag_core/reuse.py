@@ -61,14 +61,19 @@ class ReuseSources(KVStore):
     def prompt(self, engine: FusionEngine, messages: Sequence[Mapping[str, str]],
                documents: Sequence[str] = ()) -> FusionPrompt:
         """`messages` as a FusionPrompt: chunks found by mark or content; `documents` (texts
-        retrieved for this request) become learnable chunks where they occur, if learning is on."""
+        retrieved for this request) become learnable chunks where they occur, if learning is on.
+        A mark whose id has no cache here is found by its text (see `PromptLayout.from_messages`)."""
         docs: dict[str, str] = {}
         if self.learning:
             for text in documents:
                 text = text.strip()
                 if text:
                     docs[content_id(text, engine.fingerprint)] = text
-        return engine.prompt_from_messages(messages, find=self.find, documents=docs)
+        return engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_cache)
+
+    def has_cache(self, chunk_id: str) -> bool:
+        """Whether any cache variant of `chunk_id` is stored here (ingested or learned)."""
+        return self.has(chunk_id, "fused") or self.has(chunk_id, "independent")
 
     def put(self, chunk_id: str, kv: ChunkKV) -> None:
         if self.primary is None:

@@ -105,11 +105,13 @@ def text_pieces(stream: GenerationStream) -> Iterator[str | Generation]:
 
 def generation_stats(generation: Generation) -> dict[str, Any]:
     """What responses report about a generation: `Generation.stats()` plus `cache_miss_reasons`
-    (chunk id -> why it was prefilled).
+    (chunk id -> why it was prefilled) and `chunk_found_by` (chunk id -> how the prompt named it:
+    "mark", "content", "document", "mark_then_content", ...).
 
     NOTE: JSON-friendly values only (no tensors): this travels in framework metadata.
     """
-    return {**generation.stats(), "cache_miss_reasons": dict(generation.cache_misses)}
+    return {**generation.stats(), "cache_miss_reasons": dict(generation.cache_misses),
+            "chunk_found_by": dict(generation.found_by)}
 
 
 __all__ = [

@@ -30,7 +30,10 @@ def format_docs(docs: Sequence[Document]) -> str:
     Each document becomes `mark_chunk(doc.id, doc.page_content)`, concatenated in order (the model
     puts its passage separator after every chunk itself). Use it where a RAG chain joins retrieved
     documents: `{"context": retriever | format_docs, ...}`. A document without an id, or with an id
-    that cannot be a chunk id, is rendered as plain text and simply prefilled.
+    that cannot be a chunk id, is rendered as plain text (found by content, else prefilled). A mark
+    whose id has no cache (e.g. a document id from `FusionRAGVectorStore`) is found by its text:
+    the stored chunks whose whole text occurs in it are reused, reported as "mark_then_content"
+    in `chunk_found_by`; a text that matches none stays a reported cache miss under its id.
 
     NOTE: the marks are private-use characters read by ChatFusionRAG / FusionRAGLLM; for any other
     model remove them with `fusionrag_core.prompt.strip_marks`.

@@ -20,9 +20,11 @@ NOTE (unlike langchain-chroma): a text that occurs in several documents is one c
 caches, owned by all of them and deleted with the last. A search finds it once, under its first
 document's id; it keeps the first document's metadata (`get_by_ids` of another owner returns it too).
 
-NOTE: the Documents returned carry document ids, not chunk ids, so do not pass them through
-`format_docs` (its marks name chunk ids): ChatFusionRAG / FusionRAGLLM find ingested chunks by their
-text in any prompt. `FusionRAGRetriever(index=store.index)` returns chunk-id Documents instead.
+NOTE: the Documents returned carry document ids, not chunk ids. Either way of joining them reuses
+their caches: ChatFusionRAG / FusionRAGLLM find ingested chunks by their text in any prompt, and a
+`format_docs` mark whose id has no cache (a document id) is found by its text too (a whole long
+document by its chunks, in order; `chunk_found_by` in the response says "mark_then_content").
+`FusionRAGRetriever(index=store.index)` returns chunk-id Documents, whose marks resolve directly.
 """
 
 from __future__ import annotations

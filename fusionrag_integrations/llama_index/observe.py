@@ -129,7 +129,8 @@ def combined(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for key in _SUMMED:
         if all(key in c for c in calls):
             out[key] = sum(c[key] for c in calls)
-    out["cache_miss_reasons"] = {k: v for c in calls for k, v in dict(c.get("cache_miss_reasons", {})).items()}
+    for key in ("cache_miss_reasons", "chunk_found_by"):
+        out[key] = {k: v for c in calls for k, v in dict(c.get(key, {})).items()}
     out["reuse_ratio"] = out["reused_tokens"] / out["prompt_tokens"] if out.get("prompt_tokens") else 0.0
     out["llm_calls"] = len(calls)
     return out
