@@ -337,13 +337,16 @@ def _bodies(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p: Plan,
     out = qg.new_zeros(H, G, N, D, dtype=torch.float32)
     lse = qg.new_full((H, G, N), float("-inf"), dtype=torch.float32)
     for b in p.blocks:
+        if not b.body:
+            continue
         n = b.r1 - b.r0
         qb = qg[:, :, b.r0:b.r1].reshape(1, H, G * n, D)
-        for lo, hi in b.body:
-            o, lo_lse = compat.sdpa_with_lse(qb, keys[None, :, lo:hi], values[None, :, lo:hi], None, scale)
-            o, lo_lse = o.view(H, G, n, D), lo_lse.view(H, G, n)
-            out[:, :, b.r0:b.r1], lse[:, :, b.r0:b.r1] = _merge(out[:, :, b.r0:b.r1], lse[:, :, b.r0:b.r1],
-                                                                 o, lo_lse, with_lse=True)
+        runs = [compat.sdpa_with_lse(qb, keys[None, :, lo:hi], values[None, :, lo:hi], None, scale)
+                for lo, hi in b.body]  # NOTE: one run unless the block's keys hold a hole (an uncached chunk)
+        o, o_lse = runs[0][0].view(H, G, n, D), runs[0][1].view(H, G, n)
+        for run, run_lse in runs[1:]:
+            o, o_lse = _merge(o, o_lse, run.view(H, G, n, D), run_lse.view(H, G, n), with_lse=True)
+        out[:, :, b.r0:b.r1], lse[:, :, b.r0:b.r1] = o, o_lse
     return out, lse
 
 

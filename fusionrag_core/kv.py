@@ -143,8 +143,11 @@ class KVBuffer:
 
     def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, *, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.keys = torch.zeros(layers, kv_heads, capacity, head_dim, dtype=dtype, device=device)  # [L, H, S, D]
-        self.values = torch.zeros_like(self.keys)  # [L, H, S, D]
+        # NOTE: not zero-filled (two `L x H x S x D` passes of memory per request): a slot is written
+        # by `put`, zeroed by `reserve(valid=False)`, or written by the pass that claims it before
+        # anything reads it; slots `>= length` are never read.
+        self.keys = torch.empty(layers, kv_heads, capacity, head_dim, dtype=dtype, device=device)  # [L, H, S, D]
+        self.values = torch.empty_like(self.keys)  # [L, H, S, D]
         self.positions = torch.full((capacity,), -1, dtype=torch.int64, device=device)  # [S]
         self.valid = torch.zeros(capacity, dtype=torch.bool, device=device)  # [S]
         self.length = 0
@@ -154,23 +157,33 @@ class KVBuffer:
         return int(self.keys.shape[2])
 
     def reserve(self, positions: torch.Tensor, *, valid: bool) -> torch.Tensor:
-        """Claim the next `len(positions)` slots for tokens at `positions`; returns the slot indices `[N]`."""
-        n = int(positions.shape[0])
-        if self.length + n > self.capacity:
-            raise ValueError(f"KV buffer full: {self.length} + {n} > capacity {self.capacity}")
-        slots = torch.arange(self.length, self.length + n, device=self.keys.device)
-        self.positions[slots] = positions.to(self.keys.device)
-        self.valid[slots] = valid
-        self.length += n
-        return slots
+        """Claim the next `len(positions)` slots for tokens at `positions`; returns the slot indices `[N]`.
 
-    def put(self, kv: ChunkKV, keys: torch.Tensor, start_position: int) -> torch.Tensor:
+        Invalid slots are zeroed: a masked score over them must be finite (masking adds -inf).
+        """
+        n = int(positions.shape[0])
+        a, b = self.length, self.length + n
+        if b > self.capacity:
+            raise ValueError(f"KV buffer full: {a} + {n} > capacity {self.capacity}")
+        self.positions[a:b] = positions.to(self.keys.device)
+        self.valid[a:b] = valid
+        if not valid:
+            self.keys[:, :, a:b] = 0
+            self.values[:, :, a:b] = 0
+        self.length = b
+        return torch.arange(a, b, device=self.keys.device)
+
+    def put(self, kv: ChunkKV, keys: torch.Tensor | None, start_position: int) -> torch.Tensor:
         """Append a cache whose `keys` `[L, H, T, D]` are already rotated for consecutive positions from
-        `start_position`; returns its slots `[T]`."""
+        `start_position` (None: the caller writes them into `keys[:, :, slots]`); returns its slots `[T]`."""
         positions = torch.arange(start_position, start_position + kv.num_tokens, device=self.keys.device)
+        a = self.length
         slots = self.reserve(positions, valid=True)
-        self.keys[:, :, slots] = keys.to(self.keys.device, self.keys.dtype)
-        self.values[:, :, slots] = kv.values.to(self.keys.device, self.keys.dtype)
+        b = self.length
+        # NOTE: slots are consecutive: a strided copy (with any dtype/device cast), not an index_put
+        if keys is not None:
+            self.keys[:, :, a:b].copy_(keys)
+        self.values[:, :, a:b].copy_(kv.values)
         return slots
 
     def slice(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,8 +110,12 @@ def append_shifted(decoder: Decoder, buf: KVBuffer, kv: ChunkKV, *, start_positi
     the slot index, as in every single-sequence buffer), its keys re-rotated to them; returns its slots `[T]`."""
     start = buf.length if start_position is None else start_position
     new_positions = torch.arange(start, start + kv.num_tokens, device=kv.keys.device)
-    keys = shift_keys(kv.keys, new_positions - kv.positions.to(kv.keys.device), decoder.rope)  # [L, H, T, D]
-    return buf.put(kv, keys, start)
+    a = buf.length
+    slots = buf.put(kv, None, start)
+    b = buf.length
+    # NOTE: rotated straight into the buffer's slots (consecutive): no re-rotated copy of the cache
+    shift_keys(kv.keys, new_positions - kv.positions.to(kv.keys.device), decoder.rope, out=buf.keys[:, :, a:b])
+    return slots
 
 
 def stitch(

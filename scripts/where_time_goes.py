@@ -12,7 +12,10 @@ interleaved and repeated (median kept):
 * `decode`: decoding tokens/s after the first token.
 
 `recompute_vs_share` is the recompute pass over full attention, divided by the fraction of prompt
-tokens it computes (1.0 = costs exactly its token share). Run it before and after a change on
+tokens it computes (1.0 = costs exactly its token share). `attention_share` is the fraction of a
+full prefill's causal query-key scores the pass's queries may see: its linear layers cost the
+token share, its exact attention at least this share (query-guided picks sit late in the prompt,
+where rows see more keys, so it exceeds the token share). Run it before and after a change on
 the same machine, in the same minutes: the machine is shared, so only ratios mean anything.
 
     OMP_NUM_THREADS=1 python scripts/where_time_goes.py --data ../shared/datasets/musique_dev.jsonl \
@@ -54,8 +57,10 @@ def phases(engine: FusionEngine, prompt: Any, caches: dict[str, Any], ratio: flo
     _, recomputed = recompute(st, selected)
     sync()
     t3 = time.perf_counter()
+    rows = torch.cat([selected.to(st.forced_slots.device), st.forced_slots, st.question_slots]).double()
     return {"stitch": t1 - t0, "probe": t2 - t1, "recompute": t3 - t2,
-            "recomputed_tokens": recomputed + int(st.question_slots.shape[0])}
+            "recomputed_tokens": recomputed + int(st.question_slots.shape[0]),
+            "visible_keys": float((rows + 1).sum())}  # slot == position: row i sees i + 1 keys
 
 
 def measure_row(engine: FusionEngine, row: Any, max_tokens: int, ratio: float, repeats: int,
@@ -66,7 +71,7 @@ def measure_row(engine: FusionEngine, row: Any, max_tokens: int, ratio: float, r
     prompt = engine.prompt(row.question, chunks=list(zip(caches, passages, strict=True)))
     one = SamplingConfig(max_new_tokens=1)
     runs: dict[str, list[float]] = {k: [] for k in ("full", "stitch", "probe", "recompute", "ttft")}
-    recomputed = 0.0
+    recomputed = visible = 0.0
     for i in range(repeats + 1):  # the first round warms up
         full = engine.full_attention(prompt, sampling=one).collect().ttft_s
         ph = phases(engine, prompt, caches, ratio)
@@ -76,13 +81,14 @@ def measure_row(engine: FusionEngine, row: Any, max_tokens: int, ratio: float, r
             runs["ttft"].append(ttft)
             for k in ("stitch", "probe", "recompute"):
                 runs[k].append(ph[k])
-        recomputed = ph["recomputed_tokens"]
+        recomputed, visible = ph["recomputed_tokens"], ph["visible_keys"]
     gen = engine.generate(prompt, caches=caches, selector="query_guided", ratio=ratio,
                           sampling=SamplingConfig(max_new_tokens=decode_tokens))
     steps = max(len(gen.token_ids) - 1, 1)
     out = {k: statistics.median(v) for k, v in runs.items()}
     share = recomputed / prompt.num_tokens
-    out.update(prompt_tokens=prompt.num_tokens, recomputed_share=share,
+    T = prompt.num_tokens
+    out.update(prompt_tokens=T, recomputed_share=share, attention_share=visible / (T * (T + 1) / 2),
                recompute_vs_share=out["recompute"] / out["full"] / share,
                speedup=out["full"] / out["ttft"], decode_tok_s=steps / (gen.total_s - gen.ttft_s))
     return out

@@ -194,3 +194,26 @@ def test_probe_reports_the_mass_at_every_layer_asked_for() -> None:
     assert not torch.allclose(masses[0], masses[2])
     with pytest.raises(ValueError, match="attention layers"):
         decoder.probe(buf, ids[50:], question, layers=(3,))
+
+
+def test_unwritten_buffer_memory_never_reaches_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buffers are not zero-filled: NaN garbage in unclaimed memory must not leak into any pass
+    (invalid reserved slots are zeroed, slots past `length` are never read)."""
+    monkeypatch.setitem(attention.BLOCK_ROWS, "cpu", 8)  # tails that span the hole
+    model = _model("llama")
+    decoder = Decoder(model)
+    ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(2))
+    logits = []
+    for garbage in (0.0, float("nan")):
+        buf = decoder.new_buffer(100)
+        buf.keys.fill_(garbage)
+        buf.values.fill_(garbage)
+        context = buf.reserve(torch.arange(50), valid=False)
+        decoder.fill(buf, ids[:50], context)
+        buf.valid[context] = True
+        buf.reserve(torch.arange(50, 60), valid=False)  # a hole no pass computes: masked, yet in tails
+        question = buf.reserve(torch.arange(60, 80), valid=False)
+        slots = torch.cat([_scattered(50, 12, 0, 3), question])
+        logits.append(decoder.prefill(buf, ids[slots], slots))
+        assert buf.keys[:, :, 80:].isnan().all() == (garbage != 0.0)  # past the prompt: untouched
+    assert torch.isfinite(logits[1]).all() and torch.allclose(logits[0], logits[1])

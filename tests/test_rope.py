@@ -47,6 +47,11 @@ def test_shifted_keys_equal_keys_rotated_at_new_position(variant: str) -> None:
     shifted = shift_keys(layers, (p1 - p0)[0], compat.rope_tables(model))
     assert (shifted - k1.expand(2, -1, -1, -1)).abs().max().item() < 1e-4
     assert (k0 - k1).abs().max().item() > 1e-2  # the shift did real work
+    # rotated straight into a buffer's (strided) slots: the same keys
+    buf = torch.full((2, 2, 50, 16), float("nan"))
+    into = shift_keys(layers, (p1 - p0)[0], compat.rope_tables(model), out=buf[:, :, 5:45])
+    assert into.data_ptr() == buf[:, :, 5:45].data_ptr()
+    assert torch.allclose(buf[:, :, 5:45], shifted, atol=1e-6) and buf[:, :, :5].isnan().all()
 
 
 def test_yarn_attention_scaling_is_applied_once() -> None:
