@@ -32,6 +32,7 @@ from fusionrag_core.lock import writing
 from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_dir, kv_dir
 from fusionrag_core.prompt import FusionPrompt
 from fusionrag_core.store import DiskKVStore, KVStore, StorageDType, open_store
+from fusionrag_core.store.tiered import TierConfig, TieredKVStore
 from fusionrag_core.vectordb import RetrievedChunk
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ class FusionIndex:
         embedding_function: vectordb.EmbeddingFn | None = None,
         storage_dtype: StorageDType = "float16",
         writer_wait_s: float = 0.0,
+        tiers: TierConfig | None = None,
     ) -> FusionIndex:
         """Open (creating if needed) an index: a Chroma collection and its KV store.
 
@@ -110,6 +112,8 @@ class FusionIndex:
             embedding_function: default the offline all-MiniLM-L6-v2.
             storage_dtype: dtype of stored keys/values (see `KVStore`).
             writer_wait_s: how long writes wait for another writer of the corpus (see `FusionIndex`).
+            tiers: byte budgets of a device and a host LRU of decoded caches in front of the store
+                (`TieredKVStore`; per-tier hits and bytes in `Generation.stats()`); None = none.
 
         Raises:
             CacheMismatchError / InvalidRequestError: as `FusionIndex(...)`.
@@ -120,6 +124,8 @@ class FusionIndex:
         collection = vectordb.open_collection(vconfig, ef)
         store = corpus_store(collection, data_dir, redis_url=redis_url, storage_dtype=storage_dtype,
                              where=chroma_url or str(Path(data_dir).expanduser()))
+        if tiers is not None:
+            store = tiers.wrap(store, device=engine.device, dtype=engine.decoder.dtype)
         return cls(engine, collection, store, config, embedding_function=ef, writer_wait_s=writer_wait_s)
 
     # ---- writing ------------------------------------------------------------------------------------
@@ -157,9 +163,13 @@ class FusionIndex:
                     return self.ingestor.add(texts, metadatas, doc_ids, progress=progress, space_check=space_check)
                 from fusionrag_core.distributed import RayIngestor
 
-                with RayIngestor(self.engine, self.collection, self.store, self.config,
-                                 self.ingestor.embedding_function, ray) as ingestor:
-                    return ingestor.add(texts, metadatas, doc_ids, progress=progress, space_check=space_check)
+                try:
+                    with RayIngestor(self.engine, self.collection, self.store, self.config,
+                                     self.ingestor.embedding_function, ray) as ingestor:
+                        return ingestor.add(texts, metadatas, doc_ids, progress=progress, space_check=space_check)
+                finally:
+                    if isinstance(self.store, TieredKVStore):
+                        self.store.clear()  # NOTE: the workers wrote around this driver's tiers
             except InsufficientSpaceError:
                 lock.end()  # NOTE: refused before its first write: there is nothing to resume.
                 raise

@@ -344,6 +344,7 @@ def content_index_for(store: KVStore) -> ContentIndex | None:
     One instance per directory and process. Redis stores keep none yet: their chunks are found
     through marks (or learned caches) only.
     """
+    store = store.backend
     if not isinstance(store, DiskKVStore):
         return None
     root = store.root / ".content"

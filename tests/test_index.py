@@ -12,10 +12,10 @@ from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
-from fusionrag_core.errors import CacheMismatchError, InvalidRequestError
+from fusionrag_core.errors import CacheMismatchError, CacheNotFoundError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest import IngestConfig
-from fusionrag_core.store import DiskKVStore
+from fusionrag_core.store import DiskKVStore, TierConfig, TieredKVStore
 from fusionrag_core.vectordb import all_ids
 from tests.ingest_worker import tiny_engine
 from tests.servers import running_chroma_server, running_redis_server
@@ -136,3 +136,24 @@ def test_open_with_chroma_server(engine: FusionEngine, tmp_path: Path, chroma_ur
     index = FusionIndex.open(engine, tmp_path, chroma_url=chroma_url, config=CONFIG)
     assert not (tmp_path / "chroma").exists()
     _answer_round_trip(index)
+
+
+def test_open_with_cache_tiers_serves_repeat_chunks_from_them(engine: FusionEngine, tmp_path: Path) -> None:
+    tiers = TierConfig(device_bytes=1 << 20, host_bytes=1 << 20)
+    index = FusionIndex.open(engine, tmp_path, config=CONFIG, tiers=tiers)
+    assert isinstance(index.store, TieredKVStore) and isinstance(index.store.backend, DiskKVStore)
+    index.add_texts([LIGHTHOUSE, BIRTH, SALT], doc_ids=["lamp", "birth", "salt"])  # the disk store's writer lock
+    question, one = "Who designed the Lumen lighthouse?", SamplingConfig(max_new_tokens=2)
+    gen, hits = index.answer(question, k=2, sampling=one)
+    first = gen.stats()
+    again = index.answer(question, k=2, sampling=one)[0].stats()
+    assert first["kv_store_hits"] == 2 and first["kv_device_hits"] == 0
+    assert again["kv_device_hits"] == 2 and again["kv_store_hits"] == 0 and again["kv_device_bytes"] > 0
+    assert again["reused_tokens"] == first["reused_tokens"] > 0
+    # a write through the index drops the tiers' copies: a deleted chunk is not served from them
+    lamp = next(h.chunk_id for h in hits if h.metadata["doc_id"] == "lamp")
+    index.delete(["lamp"])
+    with pytest.raises(CacheNotFoundError):
+        index.store.get(lamp, "fused", fingerprint=engine.fingerprint)
+    with pytest.raises(ValueError, match="tier budgets"):
+        TierConfig(host_bytes=-1)

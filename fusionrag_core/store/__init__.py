@@ -1,7 +1,9 @@
-"""Chunk KV cache storage: the `KVStore` interface, a disk and a Redis backend.
+"""Chunk KV cache storage: the `KVStore` interface, a disk and a Redis backend, cache tiers.
 
 `open_store("./fusionrag-data/kv")` gives a `DiskKVStore`; `open_store("redis://host:6379/0")` a
 `RedisKVStore` (needs the `redis` extra). Both store the same checksummed safetensors blobs.
+`TierConfig(device_bytes, host_bytes).wrap(store, ...)` (or `FusionIndex.open(tiers=...)`) puts a
+device and a host LRU of decoded caches in front of any of them (`TieredKVStore`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from fusionrag_core.store.base import (
     validate_chunk_id,
 )
 from fusionrag_core.store.disk import DiskKVStore
+from fusionrag_core.store.tiered import TierConfig, TieredKVStore
 
 if TYPE_CHECKING:
     from fusionrag_core.store.redis import RedisKVStore
@@ -31,6 +34,8 @@ __all__ = [
     "KVStore",
     "RedisKVStore",
     "StorageDType",
+    "TierConfig",
+    "TieredKVStore",
     "decode_blob",
     "decode_file",
     "encode_blob",

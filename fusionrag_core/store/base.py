@@ -443,6 +443,12 @@ class KVStore(ABC):
         storage_torch_dtype(storage_dtype)  # NOTE: validate eagerly, before any write.
         self.storage_dtype: StorageDType = storage_dtype
 
+    @property
+    def backend(self) -> KVStore:
+        """The store that holds the blobs (itself; a cache-tier wrapper's is what it wraps): where
+        writer locks, content indexes and Ray workers must go."""
+        return self
+
     @abstractmethod
     def put(self, chunk_id: str, kv: ChunkKV) -> None:
         """Store `kv` under `(chunk_id, kv.variant)`, atomically replacing any previous entry.

@@ -28,6 +28,29 @@ from fusionrag_core.store.base import KVStore
 TIERS = ("device", "host", "store")
 
 
+@dataclass(frozen=True)
+class TierConfig:
+    """Byte budgets of the cache tiers in front of a corpus's store (`FusionIndex.open(tiers=...)`).
+
+    Attributes:
+        device_bytes: K/V bytes kept on the engine's device (GPU; on a CPU-only machine, RAM).
+        host_bytes: K/V bytes kept in (pinned, with CUDA) host memory.
+    """
+
+    device_bytes: int = 0
+    host_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device_bytes < 0 or self.host_bytes < 0:
+            raise ValueError(f"tier budgets must be >= 0 bytes, got device {self.device_bytes}, "
+                             f"host {self.host_bytes}")
+
+    def wrap(self, store: KVStore, *, device: torch.device | str, dtype: torch.dtype) -> TieredKVStore:
+        """`store` behind tiers of these budgets, holding caches on `device` in `dtype` (the engine's)."""
+        return TieredKVStore(store, device=device, dtype=dtype, device_bytes=self.device_bytes,
+                             host_bytes=self.host_bytes)
+
+
 @dataclass
 class TierStats:
     """Hits and K/V bytes served per tier ("device", "host", "store")."""
@@ -158,6 +181,16 @@ class TieredKVStore(KVStore):
         return self.get_tiered(chunk_id, variant, fingerprint=fingerprint, shape=shape, device=device,
                                dtype=dtype)[0]
 
+    @property
+    def backend(self) -> KVStore:
+        return self.inner.backend
+
+    def clear(self) -> None:
+        """Drop every tiered copy (after writes that bypassed this wrapper, e.g. Ray workers')."""
+        with self._lock:
+            self._device = _LRU(self._device.budget)
+            self._host = _LRU(self._host.budget)
+
     def stats(self) -> dict[str, int]:
         """Lifetime hits and bytes per tier, and each tier's bytes in use."""
         with self._lock:
@@ -192,7 +225,9 @@ class TieredKVStore(KVStore):
         return self.inner.list_ids(variant)
 
     def close(self) -> None:
-        with self._lock:
-            self._device = _LRU(self._device.budget)
-            self._host = _LRU(self._host.budget)
+        self.clear()
         self.inner.close()
+
+    def __repr__(self) -> str:
+        return (f"TieredKVStore({self.inner!r}, device_bytes={self._device.budget}, "
+                f"host_bytes={self._host.budget})")
