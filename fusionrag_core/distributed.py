@@ -101,7 +101,8 @@ def store_spec(store: KVStore) -> StoreSpec:
     Raises:
         InvalidRequestError: the store is not a disk or Redis store (workers could not reach it).
     """
-    store = store.backend  # NOTE: workers write to the blobs' store; a driver's tiers are cleared after
+    # NOTE: workers write to the blobs' store; a driver's cache tiers are cleared after the ingest
+    store = store.backend if isinstance(store, KVStore) else store
     if isinstance(store, DiskKVStore):
         return StoreSpec(str(store.root), store.storage_dtype)
     from fusionrag_core.store.redis import RedisKVStore

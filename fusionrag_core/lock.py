@@ -289,7 +289,8 @@ def writer_lock(store: KVStore, action: str, *, wait_s: float = 0.0, ttl_s: floa
     """
     from fusionrag_core.store.disk import DiskKVStore
 
-    store = store.backend  # NOTE: a cache-tier wrapper locks the store it wraps
+    # NOTE: a cache-tier wrapper locks the store it wraps
+    store = store.backend if isinstance(store, KVStore) else store
     if isinstance(store, DiskKVStore):
         return FileWriterLock(store.root / LOCK_FILE, action, wait_s)
     url, namespace = getattr(store, "url", None), getattr(store, "namespace", None)

@@ -344,7 +344,7 @@ def content_index_for(store: KVStore) -> ContentIndex | None:
     One instance per directory and process. Redis stores keep none yet: their chunks are found
     through marks (or learned caches) only.
     """
-    store = store.backend
+    store = store.backend if isinstance(store, KVStore) else store
     if not isinstance(store, DiskKVStore):
         return None
     root = store.root / ".content"
