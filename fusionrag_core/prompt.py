@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.compat import tokenize_plain, tokenize_template
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.recognise import Match
+from fusionrag_core.recognise import ANCHOR_CHARS, Match
 
 DEFAULT_INSTRUCTION = (
     "Answer the question using the passages. Reply with a short answer only: a name, place, date or short phrase."
@@ -365,6 +365,10 @@ class PromptLayout:
         content id. The text is guarded like any context (its special-token strings stay plain).
         """
         pieces = _recognised(self._guard_text(mark.text), find, documents)
+        if find is not None:
+            # NOTE: a chunk too short for an anchor (often a long document's last) is found whole, in its gap.
+            pieces = [q for p in pieces for q in (
+                _recognised(p, find, {}) if isinstance(p, str) and 0 < len(p.strip()) < ANCHOR_CHARS else [p])]
         if not any(isinstance(p, _Found) for p in pieces):
             return [_Found(mark.chunk_id, mark.text, "mark")]
         routed = [replace(p, source=_AFTER_MARK[p.source]) if isinstance(p, _Found) else p for p in pieces]

@@ -11,7 +11,9 @@ candidate by the digest of the prompt text where the chunk would sit.
 
 A chunk whose text holds no anchor (short chunks: a 200-character chunk has none with probability
 ~0.5%) is indexed by its first window instead, which is probed wherever a prompt line starts.
-Chunks shorter than `ANCHOR_CHARS` are not indexed; they are reused through marks only.
+Chunks shorter than `ANCHOR_CHARS` are indexed by the digest of their whole text: they are found
+only where a piece of text handed to `find` is, whitespace-trimmed, exactly such a chunk (a short
+last chunk inside a marked document, see `prompt.PromptLayout.from_messages`), never inside a prompt.
 
 Storage: one SQLite file (the rows, the source of truth, safe for several processes) and the sorted
 hash array derived from it (`anchors.<generation>.i64`). Rows added after the array was built are
@@ -42,6 +44,7 @@ ANCHOR_BITS = 5
 """A window is an anchor when the top `ANCHOR_BITS` bits of its hash are zero (one window in 32)."""
 _LINE_START = 1
 _ANCHOR = 0
+_WHOLE = 2
 # NOTE: a fixed bound keeps opening an index constant-time at any size; a rebuild costs one sorted
 # read of the hashes, far less than the model passes that produced 16K chunk caches.
 _MAX_PENDING = 16384
@@ -135,14 +138,17 @@ class Anchor:
 
     hash: int
     offset: int
-    kind: int  # _ANCHOR (content rule) or _LINE_START (first window, probed at line starts)
+    kind: int  # _ANCHOR (content rule), _LINE_START (first window, probed at line starts), _WHOLE (short)
 
 
 def chunk_anchor(text: str) -> Anchor | None:
-    """The anchor a chunk is indexed by: its first content anchor, else its first window; None if too short."""
+    """The anchor a chunk is indexed by: its first content anchor, else its first window; a chunk
+    shorter than a window by the digest of its whole text; None for blank text."""
+    if not text.strip():
+        return None
     hashes = window_hashes(text)
     if hashes.shape[0] == 0:
-        return None
+        return Anchor(text_digest(text), 0, _WHOLE)
     hits = np.flatnonzero(_is_anchor(hashes))
     if hits.shape[0]:
         return Anchor(int(hashes[hits[0]]), int(hits[0]), _ANCHOR)
@@ -212,7 +218,7 @@ class ContentIndex:
     # ---- writing ---------------------------------------------------------------------------------
     def add(self, entries: Iterable[tuple[str, str]]) -> int:
         """Index `(chunk_id, text)` pairs (a chunk id already indexed is replaced); returns how many
-        were too short to index (under `ANCHOR_CHARS` characters)."""
+        were blank (not indexed)."""
         rows, short = [], 0
         for chunk_id, text in entries:
             anchor = chunk_anchor(text)
@@ -287,8 +293,11 @@ class ContentIndex:
     def find(self, text: str) -> list[Match]:
         """Every indexed chunk whose text occurs verbatim in `text`, non-overlapping, in text order.
 
-        Where two found chunks overlap, the one starting first (then the longer) is kept.
+        Where two found chunks overlap, the one starting first (then the longer) is kept. A `text`
+        shorter than `ANCHOR_CHARS` once whitespace-trimmed is found only as a whole stored chunk.
         """
+        if 0 < len(text.strip()) < ANCHOR_CHARS:
+            return self._find_whole(text)
         positions, hashes = prompt_probes(text)
         if hashes.shape[0] == 0:
             return []
@@ -303,6 +312,20 @@ class ContentIndex:
                     "SELECT hash, chunk_id, anchor_offset, length, digest, kind FROM anchors WHERE hash IN "
                     f"({','.join('?' * len(part))})", part).fetchall()
         return _verified(text, positions[known], hashes[known], rows)
+
+
+    def _find_whole(self, text: str) -> list[Match]:
+        """`text`, whitespace-trimmed, as one short stored chunk (or nothing)."""
+        stripped = text.strip()
+        digest = text_digest(stripped)
+        with self._lock:
+            row = self._db.execute(
+                "SELECT chunk_id FROM anchors WHERE hash = ? AND kind = ? AND length = ? AND digest = ? LIMIT 1",
+                (digest, _WHOLE, len(stripped), digest)).fetchone()
+        if row is None:
+            return []
+        start = text.index(stripped)
+        return [Match(start, start + len(stripped), row[0])]
 
 
 def _member(values: np.ndarray, sorted_array: np.ndarray) -> np.ndarray:
@@ -323,7 +346,7 @@ def _verified(text: str, positions: np.ndarray, hashes: np.ndarray,
     for pos, h in zip(positions.tolist(), hashes.tolist(), strict=True):
         for _, chunk_id, offset, length, digest, kind in by_hash.get(h, ()):
             start = pos - offset
-            if kind == _LINE_START and pos > 0 and text[pos - 1] != "\n":
+            if kind == _WHOLE or (kind == _LINE_START and pos > 0 and text[pos - 1] != "\n"):
                 continue
             if start >= 0 and start + length <= len(text) and text_digest(text[start : start + length]) == digest:
                 found.add((start, start + length, chunk_id))

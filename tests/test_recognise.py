@@ -78,8 +78,11 @@ def test_short_chunks_without_an_anchor_are_found_where_a_line_starts(tmp_path: 
     short = "Room 12b holds the lamp and three spare wicks."  # 46 characters
     anchor = chunk_anchor(short)
     assert anchor is not None
-    assert index.add([("s", short), ("tiny", "too short")]) == 1  # under ANCHOR_CHARS: not indexed
+    assert index.add([("s", short), ("tiny", "too short"), ("blank", " \n")]) == 1  # blank: not indexed
     assert len("too short") < ANCHOR_CHARS
+    # under ANCHOR_CHARS: found only as a whole piece of text, never inside a prompt
+    assert index.find(" too short\n") == [Match(1, 10, "tiny")]
+    assert index.find("Context:\ntoo short\nQ") == [] and index.find("too shorts") == []
     assert index.find(f"Context:\n{short}\nQ") == [Match(9, 9 + len(short), "s")]
     if anchor.kind == 1:  # first-window anchor: only probed at a line start
         assert index.find(f"Context: {short}\nQ") == []
