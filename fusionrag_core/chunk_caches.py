@@ -9,7 +9,9 @@ and every Ray worker, so a chunk's caches are the same whichever path computed t
 * fused: the chunk prefilled after the prefix and its neighbours' independent caches (re-rotated
   to consecutive positions), `neighbour_order` deciding where the nearest goes; a chunk with no
   neighbour's fused cache is its independent one; one that would not fit the model's context
-  window is refused (`check_fusion_fits` up front, `CacheBuilder.fused` exactly).
+  window is refused (`check_fusion_fits` up front, `CacheBuilder.fused` exactly). Every fused
+  cache records the digest of its neighbour ids (`ChunkKV.fused_after`), whichever process built
+  it, so `verify` and a resumed ingest can tell a cache built on other neighbours.
 
 Chunks are packed into passes of at most `prefill_batch` chunks and `prefill_tokens` buffer slots
 (`prefill.prefill_chunks`); the results equal one-at-a-time prefills within fp tolerance.
@@ -35,7 +37,7 @@ from fusionrag_core.errors import (
     ContextLengthError,
     InvalidRequestError,
 )
-from fusionrag_core.kv import ChunkKV
+from fusionrag_core.kv import ChunkKV, neighbours_digest
 from fusionrag_core.store.base import KVStore, storage_torch_dtype
 
 if TYPE_CHECKING:
@@ -179,7 +181,8 @@ class CacheBuilder:
                 self.caches.put(chunks[i][0], kv)
 
     def fused(self, items: Sequence[FusionItem]) -> list[ChunkKV]:
-        """The fused caches of `items`, in order (not stored: the caller decides when).
+        """The fused caches of `items`, in order (not stored: the caller decides when), each with the
+        digest of its neighbour ids, nearest first (`fused_after`).
 
         Raises:
             InvalidRequestError: a neighbour has no usable independent cache and no text.
@@ -200,7 +203,8 @@ class CacheBuilder:
             for i, kvs in zip(chosen, neighbours, strict=True):
                 self._check_fits(items[i][0], ids[i], kvs)
             out.update(zip(chosen, self._prefill([ids[i] for i in chosen], neighbours), strict=True))
-        return [out[i] for i in range(len(items))]
+        return [replace(out[i], fused_after=neighbours_digest([nid for nid, _ in item[2]]))
+                for i, item in enumerate(items)]
 
     def _check_fits(self, chunk_id: str, token_ids: torch.Tensor, neighbours: Sequence[ChunkKV]) -> None:
         need = _prefix_tokens(self.engine) + int(token_ids.shape[0]) + sum(kv.num_tokens for kv in neighbours)

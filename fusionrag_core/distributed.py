@@ -20,7 +20,10 @@ or Redis); Ray carries only chunk ids, texts and embeddings.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,9 +55,10 @@ class RayConfig:
     Attributes:
         engine_factory: builds each worker's engine (the driver's model: fingerprints are checked).
             Ray pickles it to the workers, so use a module-level function or a `functools.partial`.
-        address: "local" starts a one-machine cluster for this ingest (loopback, no dashboard,
-            `object_store_mb`) and stops it after; anything else is passed to `ray.init(address=...)`
-            ("auto", "127.0.0.1:6379", "ray://head:10001"). An already initialised Ray is reused.
+        address: "local" starts a one-machine cluster for this ingest (listening on 127.0.0.1 only,
+            no dashboard, `object_store_mb`; see `start_local_cluster`) and stops it after; anything
+            else is passed to `ray.init(address=...)` ("auto", "127.0.0.1:6379", "ray://head:10001").
+            An already initialised Ray is reused.
         workers: actors, each holding one model.
         threads_per_worker: CPUs reserved per actor, and its torch threads.
         gpus_per_worker: GPUs per actor; None: 1 when the cluster has a GPU per worker, else 0.
@@ -157,7 +161,16 @@ class IngestWorker:
         return batch_neighbours(embeddings, ids, range(lo, hi), n)
 
 
-def _import_ray() -> Any:
+# NOTE: Ray's local-only mode (its default on macOS and Windows): the node address is 127.0.0.1 and
+# every server of a cluster this process starts (GCS, raylet, workers, agents) binds it instead of
+# every interface. Ray has no ray.init argument for it (`_node_ip_address="127.0.0.1"` is rewritten
+# to the machine's address) and reads this variable once, when it is first imported.
+_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _import_ray(*, local_only: bool = False) -> Any:
+    if local_only and "ray" not in sys.modules:
+        os.environ.setdefault(_LOCAL_ONLY_ENV, "0")
     try:
         import ray
     except ImportError as e:
@@ -165,24 +178,45 @@ def _import_ray() -> Any:
     return ray
 
 
+def start_local_cluster(num_cpus: int, object_store_mb: int = 256,
+                        runtime_env: Mapping[str, Any] | None = None) -> None:
+    """Start a one-machine Ray cluster for this process that listens on 127.0.0.1 only.
+
+    No dashboard; Ray's token authentication stays at its default (on for new local clusters).
+
+    Raises:
+        InvalidRequestError: Ray was imported in cluster mode before (its servers would listen on
+            every interface): start the ingest before anything imports `ray`, or start a cluster
+            yourself and pass its address.
+    """
+    ray = _import_ray(local_only=True)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=object_store_mb << 20,
+             runtime_env=dict(runtime_env) if runtime_env else None)
+    node_ip = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(node_ip).is_loopback:
+        ray.shutdown()
+        raise InvalidRequestError(
+            f"a local Ray cluster would listen on {node_ip} (every interface), not 127.0.0.1: `ray` was imported "
+            f"before the ingest, without {_LOCAL_ONLY_ENV}=0; run the ingest before importing ray (the `fusionrag` "
+            "CLI does), or start a cluster yourself (`ray start --head`) and pass its address"
+        )
+
+
 class WorkerPool:
     """The actors of one Ray ingest, and the cluster if this pool started it."""
 
     def __init__(self, config: RayConfig, store: StoreSpec, ingest: IngestConfig, fingerprint: str) -> None:
-        self.ray = ray = _import_ray()
+        self.ray = ray = _import_ray(local_only=config.address == "local")
         self.config = config
         self._started = False
         if not ray.is_initialized():
-            env = dict(config.runtime_env) if config.runtime_env else None
             if config.address == "local":
-                # NOTE: a new cluster (address="local" never joins another one on this machine), on
-                # the loopback address, without dashboard; its object store only holds ids, texts and
-                # embeddings, so it stays small.
-                ray.init(address="local", num_cpus=config.workers * config.threads_per_worker,
-                         include_dashboard=False, object_store_memory=config.object_store_mb << 20,
-                         _node_ip_address="127.0.0.1", runtime_env=env)
+                # NOTE: a new cluster (address="local" never joins another one on this machine); its
+                # object store only holds ids, texts and embeddings, so it stays small.
+                start_local_cluster(config.workers * config.threads_per_worker, config.object_store_mb,
+                                    config.runtime_env)
             else:
-                ray.init(address=config.address, runtime_env=env)
+                ray.init(address=config.address, runtime_env=dict(config.runtime_env) if config.runtime_env else None)
             self._started = True
         gpus = config.gpus_per_worker
         if gpus is None:
@@ -283,7 +317,7 @@ class RayIngestor(Ingestor):
         self._progress = progress
         return super().add(texts, metadatas, doc_ids, progress=progress, space_check=space_check)
 
-    def _independent(self, chunks: Sequence[_Chunk], progress: bool) -> None:
+    def _independent_caches(self, chunks: Sequence[_Chunk], progress: bool) -> None:
         if not chunks:
             return
         jobs = [([(c.chunk_id, c.text) for c in group],) for group in self._groups(chunks)]
@@ -323,7 +357,9 @@ class RayIngestor(Ingestor):
         if not self.config.fuse:
             yield from batches
             return
-        todo = [c for c in new if not self.store.has(c.chunk_id, "fused")]
+        # NOTE: as the local ingest: a fused blob left by an interrupted run is reused only if it was
+        # built on the neighbours found now.
+        todo = [c for c in new if not self._usable(c.chunk_id, "fused", [nid for nid, _ in c.neighbours])]
         groups = list(self._groups(todo))
         batch_of = {c.chunk_id: b for b, batch in enumerate(batches) for c in batch}
         todo_ids = {c.chunk_id for c in todo}
@@ -353,4 +389,4 @@ class RayIngestor(Ingestor):
             yield list(chunks[lo : lo + step])
 
 
-__all__ = ["IngestWorker", "RayConfig", "RayIngestor", "StoreSpec", "WorkerPool", "store_spec"]
+__all__ = ["IngestWorker", "RayConfig", "RayIngestor", "StoreSpec", "WorkerPool", "start_local_cluster", "store_spec"]

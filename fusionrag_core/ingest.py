@@ -36,7 +36,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -515,14 +515,17 @@ class Ingestor:
         return neighbours is None or kv.fused_after == neighbours_digest(neighbours)
 
     def _independent(self, chunks: Sequence[_Chunk], progress: bool) -> None:
-        """Phase 1: compute and store the independent caches of `chunks`."""
+        """Phase 1: compute and store the independent caches of `chunks`, then index their texts."""
+        self._independent_caches(chunks, progress)
+        # NOTE: so prompts that hold a chunk's text find its cache without marks (recognise.py).
+        index_content(self.store, [(c.chunk_id, c.text) for c in chunks])
+
+    def _independent_caches(self, chunks: Sequence[_Chunk], progress: bool) -> None:
         with tqdm(total=len(chunks), desc="independent caches", unit="chunk", disable=not progress) as bar:
             for start in range(0, len(chunks), self.config.batch_size):
                 batch = chunks[start : start + self.config.batch_size]
                 self.builder.independent([(c.chunk_id, c.text) for c in batch])
                 bar.update(len(batch))
-        # NOTE: so prompts that hold a chunk's text find its cache without marks (recognise.py).
-        index_content(self.store, [(c.chunk_id, c.text) for c in chunks])
 
     def _embed(self, texts: Sequence[str]) -> np.ndarray:
         """`[N, d]` unit embeddings by the collection's embedding function, in batches."""
@@ -605,7 +608,7 @@ class Ingestor:
                 todo = [c for c in batch if not self._usable(c.chunk_id, "fused", _ids_of(c.neighbours))]
                 kvs = self.builder.fused([(c.chunk_id, c.text, c.neighbours) for c in todo])
                 for c, kv in zip(todo, kvs, strict=True):
-                    self.store.put(c.chunk_id, replace(kv, fused_after=neighbours_digest(_ids_of(c.neighbours))))
+                    self.store.put(c.chunk_id, kv)
             yield batch
 
     # ---- re-fusion ----------------------------------------------------------------------------------
@@ -626,7 +629,7 @@ class Ingestor:
                 self.collection, _normalise([row.embedding])[0].tolist(), self.config.neighbors,
                 exclude_ids=[row.chunk_id])), self.config.neighbors)
             kv = self.builder.fused([(row.chunk_id, row.text, neighbours)])[0]
-            self.store.put(row.chunk_id, replace(kv, fused_after=neighbours_digest(_ids_of(neighbours))))
+            self.store.put(row.chunk_id, kv)
             vectordb.update_metadata(self.collection, [row.chunk_id], [fusion_state(neighbours, self.config.neighbors)])
             done += 1
         return done
