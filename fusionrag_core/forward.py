@@ -17,7 +17,7 @@ query sees (`attention.py`), and (c) read attention mass without materialising a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -78,7 +78,11 @@ class _Pass:
 class Decoder:
     """Runs a Llama-family transformers model layer by layer over a `KVBuffer`."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, *, compile_decode: bool = False) -> None:
+        """Args:
+            model: a Llama-family transformers model.
+            compile_decode: compile each layer's MLP for one-token passes (see `EngineConfig`).
+        """
         self.model = model
         self.parts = compat.decoder_parts(model)
         self.rope = compat.rope_tables(model)
@@ -99,6 +103,8 @@ class Decoder:
         self.qk_norm = hasattr(attn, "q_norm")  # Qwen3, Gemma 3
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
+        self.one_token_mlps = ([_compiled(layer.mlp, self.device) for layer in self.parts.layers]
+                               if compile_decode else None)
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -250,11 +256,12 @@ class Decoder:
         keys, values = p.buf.keys[i, :, :S], p.buf.values[i, :, :S]  # [H, S, D]
         o = attention.attend(q[0], keys, values, p.plan(self.windows[i]), scale=self.scaling)  # [Hq, N, D]
         o = layer.self_attn.o_proj(o.transpose(0, 1).reshape(1, N, self.num_heads * self.head_dim))
+        mlp = self.one_token_mlps[i] if self.one_token_mlps is not None and N == 1 else layer.mlp
         if self.sandwich_norms:
             x = x + layer.post_attention_layernorm(o)
-            return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+            return x + layer.post_feedforward_layernorm(mlp(layer.pre_feedforward_layernorm(x)))
         x = x + o
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        return x + mlp(layer.post_attention_layernorm(x))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """`[V]` fp32 logits of the last row of `x` `[1, N, C]`."""
@@ -263,3 +270,9 @@ class Decoder:
             cap = self.parts.final_logit_softcap
             out = torch.tanh(out / cap) * cap
         return out
+
+
+def _compiled(module: torch.nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`module` compiled for one fixed input shape (a one-token pass): CUDA graphs on a GPU."""
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    return torch.compile(module, dynamic=False, mode=mode)

@@ -217,3 +217,20 @@ def test_unwritten_buffer_memory_never_reaches_attention(monkeypatch: pytest.Mon
         logits.append(decoder.prefill(buf, ids[slots], slots))
         assert buf.keys[:, :, 80:].isnan().all() == (garbage != 0.0)  # past the prompt: untouched
     assert torch.isfinite(logits[1]).all() and torch.allclose(logits[0], logits[1])
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_equals_eager() -> None:
+    """`compile_decode` (opt-in) changes how one-token passes run, not what they compute."""
+    model = _model("llama")
+    eager, compiled = Decoder(model), Decoder(model, compile_decode=True)
+    assert eager.one_token_mlps is None and compiled.one_token_mlps is not None
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5))
+    logits = []
+    for decoder in (eager, compiled):
+        buf = decoder.new_buffer(42)
+        decoder.fill(buf, ids, buf.reserve(torch.arange(40), valid=True))
+        steps = [decoder.decode_step(buf, t, buf.reserve(torch.tensor([40 + j]), valid=True))
+                 for j, t in enumerate((7, 9))]
+        logits.append(torch.stack(steps))
+    assert torch.allclose(logits[0], logits[1], atol=1e-4)
