@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import multiprocessing
 import platform
 import sys
 import tempfile
@@ -96,6 +97,37 @@ def run_one(engine: FusionEngine, texts: list[str], config: IngestConfig, ray: R
             "chunks_per_min_cpu": round(60 * n / cpu, 1) if cpu == cpu else None}
 
 
+def _gemm_rate(seconds: float, start: Any, out: Any) -> None:
+    """One process, one torch thread: fp32 GEMMs of SmolLM2's MLP shape (80-token rows) for `seconds`."""
+    torch.set_num_threads(1)
+    x, w = torch.randn(80, 576), torch.randn(1536, 576)
+    start.wait()
+    t, n = time.perf_counter(), 0
+    while time.perf_counter() - t < seconds:
+        torch.nn.functional.linear(x, w)
+        n += 1
+    out.put(2 * 80 * 576 * 1536 * n / (time.perf_counter() - t) / 1e9)
+
+
+def cpu_ceiling(counts: list[int], seconds: float = 5.0) -> dict[int, float]:
+    """Aggregate fp32 GEMM GFLOP/s of 1, 2, ... single-thread processes running at once: what N
+    one-thread workers can gain on this machine at best (cores that share an SMT core or a
+    contended host give less than N x)."""
+    ctx = multiprocessing.get_context("spawn")
+    rates: dict[int, float] = {}
+    for n in counts:
+        start, out = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_gemm_rate, args=(seconds, start, out)) for _ in range(n)]
+        for p in procs:
+            p.start()
+        time.sleep(2.0)  # NOTE: every process has imported torch before the clock starts
+        start.set()
+        rates[n] = round(sum(out.get() for _ in procs), 1)
+        for p in procs:
+            p.join()
+    return rates
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model for FusionEngine.from_pretrained (default: packaged)")
@@ -113,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ray-batch", type=int, default=8, help="prefill_batch of the Ray runs")
     ap.add_argument("--repeats", type=int, default=1, help="rounds; configurations are interleaved within each")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also measure aggregate GEMM GFLOP/s of 1 vs --ray-workers single-thread processes")
     args = ap.parse_args(argv)
 
     factory = functools.partial(load_engine, args.model, args.shape, args.tokenizer, args.device, args.dtype,
@@ -134,14 +168,22 @@ def main(argv: list[str] | None = None) -> None:
                 row = {"run": name, "round": r, **run_one(engine, texts, config, ray, Path(tmp) / f"{r}-{i}")}
                 print(json.dumps(row), flush=True)
                 results.append(row)
+    ceiling: dict[int, float] = {}
+    if args.ceiling:
+        ceiling = cpu_ceiling(sorted({1, *(int(x) for x in args.ray_workers.split(",") if x)}))
+        print(json.dumps({"gemm_gflops_by_processes": ceiling}), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": args.device, "dtype": args.dtype, "model": args.shape or args.model or "packaged SmolLM2-135M",
             "chunk_tokens": args.chunk_tokens, "neighbors": args.neighbors, "torch": torch.__version__,
-            "cpus": platform.processor() or platform.machine(), "argv": sys.argv[1:]}
+            "cpus": platform.processor() or platform.machine(), "argv": sys.argv[1:],
+            "gemm_gflops_by_processes": ceiling}
     (args.out / "ingest_scale.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     lines = ["| run | chunks | wall s | chunks/min (wall) | chunks/min (CPU time) |", "|---|---|---|---|---|"]
     lines += [f"| {r['run']} | {r['chunks']} | {r['wall_s']} | {r['chunks_per_min_wall']} | "
               f"{r['chunks_per_min_cpu'] if r['chunks_per_min_cpu'] is not None else '-'} |" for r in results]
+    if ceiling:
+        lines += ["", "| single-thread GEMM processes at once | aggregate GFLOP/s | vs 1 |", "|---|---|---|"]
+        lines += [f"| {n} | {g} | {g / ceiling[1]:.2f}x |" for n, g in ceiling.items()]
     (args.out / "ingest_scale.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
