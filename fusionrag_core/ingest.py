@@ -540,8 +540,9 @@ class Ingestor:
         if not new or n == 0:
             return
         in_batch = self._batch_neighbours(embeddings, [c.chunk_id for c in new], n)
-        for c, embedding, local in zip(new, embeddings, in_batch, strict=True):
-            hits = dict(vectordb.query_neighbours(self.collection, embedding.tolist(), n, exclude_ids=[c.chunk_id]))
+        stored = vectordb.query_neighbours_many(self.collection, embeddings.tolist(), n, [[c.chunk_id] for c in new])
+        for c, found, local in zip(new, stored, in_batch, strict=True):
+            hits = dict(found)
             for cid, distance in local.items():
                 hits.setdefault(cid, distance)
             c.neighbours = rank_neighbours(hits, n)

@@ -433,19 +433,36 @@ def query_neighbours(
         `(chunk_id, cosine_distance)` pairs, nearest first; fewer than `n` if the collection is small.
         Distance is `1 - cosine similarity` (0 = same direction).
     """
-    if n <= 0:
-        return []
-    excluded = set(exclude_ids)
-    # NOTE: Chroma has no "id not in" filter, so over-fetch by the number of excluded ids.
-    k = min(n + len(excluded), collection.count())
-    if k == 0:
-        return []
-    query: list[Sequence[float]] = [list(embedding)]
-    res = collection.query(query_embeddings=query, n_results=k, include=["distances"])
-    distances = res["distances"]
-    assert distances is not None  # NOTE: requested via include.
-    hits = [(i, float(d)) for i, d in zip(res["ids"][0], distances[0], strict=True) if i not in excluded]
-    return hits[:n]
+    return query_neighbours_many(collection, [embedding], n, [exclude_ids])[0]
+
+
+def query_neighbours_many(
+    collection: Collection,
+    embeddings: Sequence[Sequence[float]],
+    n: int,
+    exclude_ids: Sequence[Iterable[str]],
+) -> list[list[tuple[str, float]]]:
+    """`query_neighbours` for several vectors, `_BATCH` per Chroma query (one round trip each, not one
+    per vector: a corpus-scale ingest asks for every new chunk's neighbours)."""
+    if len(embeddings) != len(exclude_ids):
+        raise InvalidRequestError(f"got {len(embeddings)} embeddings and {len(exclude_ids)} exclusion lists")
+    excluded = [set(e) for e in exclude_ids]
+    count = collection.count() if n > 0 and len(embeddings) else 0
+    out: list[list[tuple[str, float]]] = []
+    for start in range(0, len(embeddings), _BATCH):
+        block = excluded[start : start + _BATCH]
+        # NOTE: Chroma has no "id not in" filter, so over-fetch by the number of excluded ids.
+        k = min(n + max(len(e) for e in block), count)
+        if k == 0:
+            out.extend([] for _ in block)
+            continue
+        query = [list(v) for v in embeddings[start : start + _BATCH]]
+        res = collection.query(query_embeddings=cast(Any, query), n_results=k, include=["distances"])
+        distances = res["distances"]
+        assert distances is not None  # NOTE: requested via include.
+        for ids, dists, skip in zip(res["ids"], distances, block, strict=True):
+            out.append([(i, float(d)) for i, d in zip(ids, dists, strict=True) if i not in skip][:n])
+    return out
 
 
 def search(collection: Collection, query_text: str, k: int) -> list[RetrievedChunk]:

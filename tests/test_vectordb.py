@@ -29,6 +29,7 @@ from fusionrag_core.vectordb import (
     delete_ids,
     open_collection,
     query_neighbours,
+    query_neighbours_many,
     search,
 )
 from tests.servers import free_port, running_chroma_server
@@ -116,6 +117,12 @@ def test_add_search_neighbours_delete(make_config: Callable[..., VectorDBConfig]
     assert {i for i, _ in everyone} == set(CHUNKS) - {"fin1", "fin2"}
     self_hit = query_neighbours(col, embs["fin1"], 1)
     assert self_hit[0][0] == "fin1" and self_hit[0][1] == pytest.approx(0.0, abs=1e-4)
+    # NOTE: one Chroma query for many vectors, each with its own exclusions, as one query each.
+    many = query_neighbours_many(col, [embs["cat1"], embs["fin1"], embs["fin1"]], 2, [["cat1"], {"fin1", "fin2"}, []])
+    assert many == [query_neighbours(col, embs["cat1"], 2, exclude_ids=["cat1"]),
+                    query_neighbours(col, embs["fin1"], 2, exclude_ids={"fin1", "fin2"}),
+                    query_neighbours(col, embs["fin1"], 2)]
+    assert [i for i, _ in many[1]] != [i for i, _ in many[2]]
 
     # upsert: re-adding an id replaces its text and embedding
     add_chunks(col, ["geo1"], ["Kittens and cats are adorable pets."], [{"doc_id": "geo"}])
