@@ -7,6 +7,8 @@
 #   2. `fusionrag bench` at long contexts: SmolLM2-135M at ~4K tokens (10 passages x 400 tokens) and
 #      Gemma-3-270M with whole passages (10 x up to 1600 tokens; MuSiQue passages are ~600 tokens,
 #      so ~6K-token prompts).
+#   3. fused ingest chunks/min (issue 15): random-weight Llama-3.2-1B shape, bf16, 512-token chunks,
+#      10 neighbours, packed prefill batch 1 vs 4, 8, 16 (scripts/ingest_scale.py; ingest-1b/).
 #
 # Usage: scripts/gpu_bench.sh [--equivalence-only] [DATA.jsonl]
 #   DATA defaults to ../shared/datasets/musique_dev.jsonl. Results go to $OUT if set, else
@@ -75,4 +77,8 @@ common=(--data "$data" --limit 20 --ratios 0.05,0.15,0.3 --storage-dtype bfloat1
 $fusionrag --device cuda --dtype bfloat16 bench "${common[@]}" --max-passage-tokens 400 --out "$out/smollm2-4k"
 $fusionrag --device cuda --dtype bfloat16 --model gemma3-270m bench "${common[@]}" --max-passage-tokens 1600 \
     --out "$out/gemma3-6k"
+tok=$("$python" -c "import sys; from pathlib import Path; from tests.ingest_worker import tokenizer_dir
+print(tokenizer_dir(Path(sys.argv[1])))" "$out/tokenizer-cache" | tail -1)
+"$python" scripts/ingest_scale.py --shape 1b --tokenizer "$tok" --device cuda --dtype bfloat16 --threads 0 \
+    --chunk-tokens 512 --chunks 256 --batches 1,4,8,16 --data "$data" --out "$out/ingest-1b"
 echo "done: $out"

@@ -97,6 +97,34 @@ def run_one(engine: FusionEngine, texts: list[str], config: IngestConfig, ray: R
             "chunks_per_min_cpu": round(60 * n / cpu, 1) if cpu == cpu else None}
 
 
+def prefill_rates(engine: FusionEngine, batches: list[int], chunk_tokens: int, neighbors: int,
+                  chunks: int = 16) -> list[dict[str, Any]]:
+    """Where packing can gain: CPU ms per chunk of the prefills alone (no store, no Chroma), per
+    packed batch size, independent and fused (after `neighbors` caches), next to the fp32 GEMM rate
+    of the model's MLP shape at the pass's row count (the linear layers are most of a prefill)."""
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(100, 20000, (chunk_tokens,), generator=g) for _ in range(chunks)]
+    caches = [engine.chunk_cache(t) for t in ids[:neighbors]]
+    rows: list[dict[str, Any]] = []
+    for b in batches:
+        row: dict[str, Any] = {"prefill_batch": b}
+        for kind in ("independent", "fused"):
+            context = caches if kind == "fused" else []
+            cpu = time.process_time()
+            for lo in range(0, chunks, b):
+                group = ids[lo : lo + b]
+                engine.chunk_caches(group, [context] * len(group))
+            row[f"{kind}_ms_per_chunk"] = round(1000 * (time.process_time() - cpu) / chunks, 1)
+        x, w = torch.randn(chunk_tokens * b, 576), torch.randn(1536, 576)
+        cpu, n = time.process_time(), 0
+        while time.process_time() - cpu < 1.0:
+            torch.nn.functional.linear(x, w)
+            n += 1
+        row["gemm_gflops"] = round(2 * x.shape[0] * 576 * 1536 * n / (time.process_time() - cpu) / 1e9, 1)
+        rows.append(row)
+    return rows
+
+
 def _gemm_rate(seconds: float, start: Any, out: Any) -> None:
     """One process, one torch thread: fp32 GEMMs of SmolLM2's MLP shape (80-token rows) for `seconds`."""
     torch.set_num_threads(1)
@@ -145,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ray-batch", type=int, default=8, help="prefill_batch of the Ray runs")
     ap.add_argument("--repeats", type=int, default=1, help="rounds; configurations are interleaved within each")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--prefills", action="store_true",
+                    help="also time the prefills alone per --batches (CPU ms per chunk) and the GEMM rate")
     ap.add_argument("--ceiling", action="store_true",
                     help="also measure aggregate GEMM GFLOP/s of 1 vs --ray-workers single-thread processes")
     args = ap.parse_args(argv)
@@ -168,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
                 row = {"run": name, "round": r, **run_one(engine, texts, config, ray, Path(tmp) / f"{r}-{i}")}
                 print(json.dumps(row), flush=True)
                 results.append(row)
+    prefill: list[dict[str, Any]] = []
+    if args.prefills:
+        prefill = prefill_rates(engine, [int(x) for x in args.batches.split(",") if x], args.chunk_tokens,
+                                args.neighbors)
+        for row in prefill:
+            print(json.dumps(row), flush=True)
     ceiling: dict[int, float] = {}
     if args.ceiling:
         ceiling = cpu_ceiling(sorted({1, *(int(x) for x in args.ray_workers.split(",") if x)}))
@@ -176,11 +212,16 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"device": args.device, "dtype": args.dtype, "model": args.shape or args.model or "packaged SmolLM2-135M",
             "chunk_tokens": args.chunk_tokens, "neighbors": args.neighbors, "torch": torch.__version__,
             "cpus": platform.processor() or platform.machine(), "argv": sys.argv[1:],
-            "gemm_gflops_by_processes": ceiling}
+            "gemm_gflops_by_processes": ceiling, "prefills": prefill}
     (args.out / "ingest_scale.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     lines = ["| run | chunks | wall s | chunks/min (wall) | chunks/min (CPU time) |", "|---|---|---|---|---|"]
     lines += [f"| {r['run']} | {r['chunks']} | {r['wall_s']} | {r['chunks_per_min_wall']} | "
               f"{r['chunks_per_min_cpu'] if r['chunks_per_min_cpu'] is not None else '-'} |" for r in results]
+    if prefill:
+        lines += ["", "| prefill_batch | independent CPU ms/chunk | fused CPU ms/chunk | GEMM GFLOP/s at its rows |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['prefill_batch']} | {r['independent_ms_per_chunk']} | {r['fused_ms_per_chunk']} | "
+                  f"{r['gemm_gflops']} |" for r in prefill]
     if ceiling:
         lines += ["", "| single-thread GEMM processes at once | aggregate GFLOP/s | vs 1 |", "|---|---|---|"]
         lines += [f"| {n} | {g} | {g / ceiling[1]:.2f}x |" for n, g in ceiling.items()]
