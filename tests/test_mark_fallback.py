@@ -11,6 +11,7 @@ caches; chunks are at most 24 tokens.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +28,7 @@ from fusionrag_core.index import IngestConfig
 from fusionrag_core.prompt import MARK_CLOSE, MARK_OPEN, MARK_SEP, mark_chunk
 from fusionrag_core.recognise import ANCHOR_CHARS
 from fusionrag_core.stitch import NO_CACHE
+from fusionrag_core.store import DiskKVStore
 from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGVectorStore, format_docs
 from tests.ingest_worker import tiny_engine
 
@@ -149,3 +151,21 @@ def test_without_a_store_check_marks_are_taken_at_their_id(engine: FusionEngine,
     """The core's own `prompt_from_messages` (no `has_cache`) keeps the explicit fast path unchanged."""
     prompt = engine.prompt_from_messages([{"role": "user", "content": format_docs(store.get_by_ids(["d0"])) + "Q?"}])
     assert [(s.chunk_id, s.found_by) for s in prompt.segments if s.kind == "chunk"] == [("d0", "mark")]
+
+
+def test_marked_documents_of_another_store_are_learned_then_reused(engine: FusionEngine, tmp_path: Path) -> None:
+    """A plain InMemoryVectorStore's Documents (uuid ids, nothing ingested) through format_docs: the
+    first ask learns them as retrieved documents, the second finds them by content in the learned caches."""
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    vector_store = InMemoryVectorStore(DeterministicFakeEmbedding(size=8))
+    vector_store.add_documents([Document(page_content=t) for t in TEXTS])
+    retriever = vector_store.as_retriever(search_kwargs={"k": 2})
+    chat = ChatFusionRAG(engine=engine, store=DiskKVStore(tmp_path / "kv"), max_tokens=2,
+                         learned_dir=str(tmp_path / "learned"))
+    chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | PROMPT | chat
+    first = chain.invoke("Who designed the Lumen lighthouse?").response_metadata
+    assert set(first["chunk_found_by"].values()) == {"mark_then_document"} and first["reused_tokens"] == 0
+    second = chain.invoke("Who designed the Lumen lighthouse?").response_metadata
+    assert set(second["chunk_found_by"].values()) == {"mark_then_content"} and second["cache_misses"] == 0
+    assert second["reused_tokens"] > 0 and list(second["chunk_found_by"]) == list(first["chunk_found_by"])
