@@ -190,11 +190,16 @@ def start_local_cluster(num_cpus: int, object_store_mb: int = 256,
             yourself and pass its address.
     """
     ray = _import_ray(local_only=True)
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=object_store_mb << 20,
-             runtime_env=dict(runtime_env) if runtime_env else None)
+    # NOTE: before ray.init, this is the address a new node would take (so nothing ever listens on
+    # another); after it, the node's own.
     node_ip = ray.util.get_node_ip_address()
+    if ipaddress.ip_address(node_ip).is_loopback:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 object_store_memory=object_store_mb << 20, runtime_env=dict(runtime_env) if runtime_env else None)
+        node_ip = ray.util.get_node_ip_address()
     if not ipaddress.ip_address(node_ip).is_loopback:
-        ray.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
         raise InvalidRequestError(
             f"a local Ray cluster would listen on {node_ip} (every interface), not 127.0.0.1: `ray` was imported "
             f"before the ingest, without {_LOCAL_ONLY_ENV}=0; run the ingest before importing ray (the `fusionrag` "

@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import ipaddress
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -264,3 +266,16 @@ def test_cli_ingest_on_a_local_ray_cluster(engine: FusionEngine, docs: list[str]
 
 def _cli_engine(tok_path: str, spec: Any) -> FusionEngine:
     return tiny_engine_at(tok_path)
+
+
+def test_local_cluster_refuses_a_ray_imported_in_cluster_mode(tmp_path: Path) -> None:
+    """A process that imported `ray` before (cluster mode: servers on every interface) gets an error
+    that says how to fix it, not a cluster open to the network."""
+    code = ("import ray\nfrom fusionrag_core.distributed import start_local_cluster\n"
+            "try:\n    start_local_cluster(1, 80)\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+            "print('initialised', ray.is_initialized())\n")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=180).stdout
+    assert "InvalidRequestError" in out and "every interface" in out and "initialised False" in out, out
