@@ -139,6 +139,10 @@ class IngestWorker:
     def fingerprint(self) -> str:
         return self.engine.fingerprint
 
+    def torch_threads(self) -> int:
+        """The actor's torch threads (`threads_per_worker`: workers must not oversubscribe a node's CPUs)."""
+        return torch.get_num_threads()
+
     def independent(self, chunks: list[tuple[str, str]]) -> int:
         self.builder.independent(chunks)
         return len(chunks)

@@ -115,6 +115,9 @@ def test_ray_ingest_equals_local_ingest(engine: FusionEngine, docs: list[str], r
         capfd.readouterr()
         remote_report = ingestor.add(docs, doc_ids=[f"d{i}" for i in range(len(docs))], progress=True)
         _check_progress(capfd.readouterr().err, remote_report.new_chunks)
+        import ray
+
+        assert ray.get([a.torch_threads.remote() for a in ingestor.pool.actors]) == [1, 1]  # 1 thread each
         _check_same_corpus(engine, local, remote, local_report, remote_report)
         _check_resume(remote, ingestor, docs)
 
