@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from fusionrag_core.engine import FusionEngine
 from tests.ingest_worker import tokenizer_dir
@@ -39,3 +40,26 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_layer_engine(smollm_tokenizer: PreTrainedTokenizerBase, one_thread: None) -> FusionEngine:
+    """A 1-layer random Llama with the real tokenizer: for tests of the integrations' plumbing
+    (arguments, sampling, structured output), where the weights do not matter."""
+    torch.manual_seed(2)
+    config = LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024)
+    return FusionEngine(LlamaForCausalLM(config).eval(), smollm_tokenizer, name="tiny-llama")
+
+
+@pytest.fixture
+def loads(monkeypatch: pytest.MonkeyPatch, one_layer_engine: FusionEngine) -> list[dict[str, Any]]:
+    """Records FusionEngine.from_pretrained calls (and answers with the 1-layer engine)."""
+    calls: list[dict[str, Any]] = []
+
+    def fake_from_pretrained(model: Any = None, **kwargs: Any) -> FusionEngine:
+        calls.append({"model": model, **kwargs})
+        return one_layer_engine
+
+    monkeypatch.setattr(FusionEngine, "from_pretrained", staticmethod(fake_from_pretrained))
+    return calls

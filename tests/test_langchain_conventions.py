@@ -11,35 +11,13 @@ import pytest
 import torch
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, trim_messages
 from pydantic import ValidationError
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core import compat
 from fusionrag_core.engine import FusionEngine
 from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGLLM
 
 MODELS = [ChatFusionRAG, FusionRAGLLM]
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(smollm_tokenizer: PreTrainedTokenizerBase) -> FusionEngine:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=512)
-    return FusionEngine(LlamaForCausalLM(config).eval(), smollm_tokenizer, name="tiny-llama")
-
-
-@pytest.fixture
-def loads(monkeypatch: pytest.MonkeyPatch, tiny_engine: FusionEngine) -> list[dict[str, Any]]:
-    """Records FusionEngine.from_pretrained calls (and answers with the tiny engine)."""
-    calls: list[dict[str, Any]] = []
-
-    def fake_from_pretrained(model: Any = None, **kwargs: Any) -> FusionEngine:
-        calls.append({"model": model, **kwargs})
-        return tiny_engine
-
-    monkeypatch.setattr(FusionEngine, "from_pretrained", staticmethod(fake_from_pretrained))
-    return calls
 
 
 # ---- aliases: one test each ---------------------------------------------------------------------
@@ -74,16 +52,16 @@ def test_hf_alias_sets_its_field(cls: type, given: dict[str, Any], field: str, e
     assert model._identifying_params.get(field if field != "model" else "model_name", expected) == expected
 
 
-def test_max_new_tokens_really_bounds_the_generation(tiny_engine: FusionEngine) -> None:
-    eos, tiny_engine.eos_ids = tiny_engine.eos_ids, set()
+def test_max_new_tokens_really_bounds_the_generation(one_layer_engine: FusionEngine) -> None:
+    eos, one_layer_engine.eos_ids = one_layer_engine.eos_ids, set()
     try:
-        message = ChatFusionRAG(engine=tiny_engine, max_new_tokens=3).invoke("Hello")
+        message = ChatFusionRAG(engine=one_layer_engine, max_new_tokens=3).invoke("Hello")
         assert isinstance(message, AIMessage)
         assert message.usage_metadata is not None and message.usage_metadata["output_tokens"] == 3
-        per_call = ChatFusionRAG(engine=tiny_engine).invoke("Hello", max_new_tokens=2)
+        per_call = ChatFusionRAG(engine=one_layer_engine).invoke("Hello", max_new_tokens=2)
         assert per_call.usage_metadata is not None and per_call.usage_metadata["output_tokens"] == 2
     finally:
-        tiny_engine.eos_ids = eos
+        one_layer_engine.eos_ids = eos
 
 
 def test_model_name_reaches_the_loader(loads: list[dict[str, Any]]) -> None:
@@ -119,9 +97,9 @@ def test_unusable_argument_is_refused_by_name(cls: type, given: dict[str, Any], 
         cls(**given)
 
 
-def test_loading_options_with_a_loaded_engine_are_refused(tiny_engine: FusionEngine) -> None:
+def test_loading_options_with_a_loaded_engine_are_refused(one_layer_engine: FusionEngine) -> None:
     with pytest.raises(ValidationError, match="only apply when this model loads weights"):
-        ChatFusionRAG(engine=tiny_engine, torch_dtype="bfloat16")
+        ChatFusionRAG(engine=one_layer_engine, torch_dtype="bfloat16")
 
 
 def test_cuda_without_cuda_fails_before_reading_weights(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,16 +141,16 @@ def test_from_model_id_refuses_what_it_cannot_do(kwargs: dict[str, Any], message
 
 # ---- token counting -----------------------------------------------------------------------------
 @pytest.mark.parametrize("cls", MODELS)
-def test_get_token_ids_uses_the_model_tokenizer(cls: type, tiny_engine: FusionEngine,
+def test_get_token_ids_uses_the_model_tokenizer(cls: type, one_layer_engine: FusionEngine,
                                                 smollm_tokenizer: PreTrainedTokenizerBase) -> None:
-    model = cls(engine=tiny_engine)
+    model = cls(engine=one_layer_engine)
     text = "The Lumen lighthouse was designed by Ada Vell."
     assert model.get_token_ids(text) == smollm_tokenizer.encode(text, add_special_tokens=False)
     assert model.get_num_tokens(text) == len(model.get_token_ids(text)) > 0
 
 
-def test_trim_messages_trims_with_the_model_as_counter(tiny_engine: FusionEngine) -> None:
-    chat = ChatFusionRAG(engine=tiny_engine)
+def test_trim_messages_trims_with_the_model_as_counter(one_layer_engine: FusionEngine) -> None:
+    chat = ChatFusionRAG(engine=one_layer_engine)
     history = [SystemMessage("Be brief."), *[HumanMessage(f"Question number {i} about the lighthouse?")
                                               for i in range(10)]]
     trimmed = trim_messages(history, max_tokens=40, token_counter=chat, strategy="last", include_system=True)

@@ -8,12 +8,10 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import pytest
-import torch
 from langchain_core.documents import Document
 from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage
 from pydantic import BaseModel, Field
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 from typing_extensions import TypedDict
 
 from fusionrag_core.engine import FusionEngine
@@ -49,18 +47,10 @@ VERDICT_SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(smollm_tokenizer: PreTrainedTokenizerBase, one_thread: None) -> FusionEngine:
-    torch.manual_seed(2)
-    config = LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024)
-    return FusionEngine(LlamaForCausalLM(config).eval(), smollm_tokenizer, name="tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def chat(tiny_engine: FusionEngine, tmp_path_factory: pytest.TempPathFactory) -> ChatFusionRAG:
+def chat(one_layer_engine: FusionEngine, tmp_path_factory: pytest.TempPathFactory) -> ChatFusionRAG:
     store = DiskKVStore(tmp_path_factory.mktemp("kv"), storage_dtype="float32")
-    store.put("lumen", tiny_engine.chunk_cache(TEXT))
-    return ChatFusionRAG(engine=tiny_engine, store=store, max_tokens=48)
+    store.put("lumen", one_layer_engine.chunk_cache(TEXT))
+    return ChatFusionRAG(engine=one_layer_engine, store=store, max_tokens=48)
 
 
 def _question() -> str:

@@ -15,7 +15,6 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.types import PydanticProgramMode
 from pydantic import BaseModel, Field
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from fusionrag_core import compat
 from fusionrag_core.decode import SamplingConfig
@@ -39,31 +38,10 @@ class Verdict(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(smollm_tokenizer: PreTrainedTokenizerBase, one_thread: None) -> FusionEngine:
-    torch.manual_seed(2)
-    config = LlamaConfig(vocab_size=len(smollm_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024)
-    return FusionEngine(LlamaForCausalLM(config).eval(), smollm_tokenizer, name="tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def store(tiny_engine: FusionEngine, tmp_path_factory: pytest.TempPathFactory) -> KVStore:
+def store(one_layer_engine: FusionEngine, tmp_path_factory: pytest.TempPathFactory) -> KVStore:
     store = DiskKVStore(tmp_path_factory.mktemp("kv"), storage_dtype="float32")
-    store.put("lumen", tiny_engine.chunk_cache(TEXT))
+    store.put("lumen", one_layer_engine.chunk_cache(TEXT))
     return store
-
-
-@pytest.fixture
-def loads(monkeypatch: pytest.MonkeyPatch, tiny_engine: FusionEngine) -> list[dict[str, Any]]:
-    """Records FusionEngine.from_pretrained calls (and answers with the tiny engine)."""
-    calls: list[dict[str, Any]] = []
-
-    def fake_from_pretrained(model: Any = None, **kwargs: Any) -> FusionEngine:
-        calls.append({"model": model, **kwargs})
-        return tiny_engine
-
-    monkeypatch.setattr(FusionEngine, "from_pretrained", staticmethod(fake_from_pretrained))
-    return calls
 
 
 # ---- aliases: one test each ---------------------------------------------------------------------
@@ -136,16 +114,16 @@ def test_cuda_without_cuda_fails_before_reading_weights(monkeypatch: pytest.Monk
 
 
 # ---- sampling: the core SamplingConfig, per construction and per call -----------------------------
-def test_sampling_options_reach_the_core_sampler(tiny_engine: FusionEngine) -> None:
+def test_sampling_options_reach_the_core_sampler(one_layer_engine: FusionEngine) -> None:
     prompt = "Hello there, lighthouse keeper. Tell me about the lamp."
     messages = [{"role": "user", "content": prompt}]
 
     def core(**sampling: Any) -> str:
-        request = tiny_engine.prompt_from_messages(messages)
-        return tiny_engine.generate(request, sampling=SamplingConfig(max_new_tokens=12, **sampling)).text
+        request = one_layer_engine.prompt_from_messages(messages)
+        return one_layer_engine.generate(request, sampling=SamplingConfig(max_new_tokens=12, **sampling)).text
 
     def ours(**options: Any) -> str:
-        return FusionRAGLLM(engine=tiny_engine, max_new_tokens=12, learn=False, **options).complete(prompt).text
+        return FusionRAGLLM(engine=one_layer_engine, max_new_tokens=12, learn=False, **options).complete(prompt).text
 
     # greedy with a penalty is what the core's SamplingConfig gives, and not plain greedy (a penalty
     # below 1 favours the prompt's tokens, which a random model would not pick otherwise)
@@ -156,7 +134,7 @@ def test_sampling_options_reach_the_core_sampler(tiny_engine: FusionEngine) -> N
     # top_k=1 keeps only the argmax: sampling at any temperature is then greedy
     assert ours(temperature=1.5, top_k=1, seed=5) == core()
     # min_p near 1 keeps only the top token too; per-call options override the fields
-    llm = FusionRAGLLM(engine=tiny_engine, max_new_tokens=12, learn=False, temperature=1.5, seed=5)
+    llm = FusionRAGLLM(engine=one_layer_engine, max_new_tokens=12, learn=False, temperature=1.5, seed=5)
     assert llm.complete(prompt, min_p=0.999).text == core()
     assert llm.complete(prompt, top_k=1, repetition_penalty=0.05).text == core(repetition_penalty=0.05)
     with pytest.raises(InvalidRequestError, match="top_k"):
@@ -170,9 +148,9 @@ def _llm(engine: FusionEngine, store: KVStore, **options: Any) -> FusionRAGLLM:
     return FusionRAGLLM(engine=engine, kv_store=store, learn=False, **{"max_new_tokens": 48, **options})
 
 
-def test_structured_predict_returns_the_object_and_reuse_is_unchanged(tiny_engine: FusionEngine,
+def test_structured_predict_returns_the_object_and_reuse_is_unchanged(one_layer_engine: FusionEngine,
                                                                       store: KVStore) -> None:
-    llm = _llm(tiny_engine, store)
+    llm = _llm(one_layer_engine, store)
     calls: list[dict[str, Any]] = []
     with recording(calls):
         verdict = llm.structured_predict(Verdict, PROMPT, context=mark_chunk("lumen", TEXT))
@@ -184,8 +162,8 @@ def test_structured_predict_returns_the_object_and_reuse_is_unchanged(tiny_engin
     assert free.additional_kwargs["reused_tokens"] == calls[0]["reused_tokens"]
 
 
-def test_as_structured_llm_and_async_and_stream(tiny_engine: FusionEngine, store: KVStore) -> None:
-    llm = _llm(tiny_engine, store)
+def test_as_structured_llm_and_async_and_stream(one_layer_engine: FusionEngine, store: KVStore) -> None:
+    llm = _llm(one_layer_engine, store)
     context = mark_chunk("lumen", TEXT)
     response = llm.as_structured_llm(Verdict).chat([ChatMessage(role=MessageRole.USER, content=PROMPT.format(
         context=context))])
@@ -205,20 +183,22 @@ def test_as_structured_llm_and_async_and_stream(tiny_engine: FusionEngine, store
     assert apartials and Verdict.model_validate(apartials[-1].model_dump()) == verdict
 
 
-def test_truncated_structured_answer_says_to_raise_max_new_tokens(tiny_engine: FusionEngine, store: KVStore) -> None:
+def test_truncated_structured_answer_says_to_raise_max_new_tokens(one_layer_engine: FusionEngine,
+                                                                  store: KVStore) -> None:
+    llm = _llm(one_layer_engine, store, max_new_tokens=3)
     with pytest.raises(InvalidRequestError, match="raise max_new_tokens"):
-        _llm(tiny_engine, store, max_new_tokens=3).structured_predict(Verdict, PROMPT, context=TEXT)
+        llm.structured_predict(Verdict, PROMPT, context=TEXT)
     with pytest.raises(InvalidRequestError, match="raise max_new_tokens"):
-        asyncio.run(_llm(tiny_engine, store).astructured_predict(Verdict, PROMPT, context=TEXT,
+        asyncio.run(_llm(one_layer_engine, store).astructured_predict(Verdict, PROMPT, context=TEXT,
                                                                  llm_kwargs={"max_new_tokens": 3}))
 
 
-def test_structured_output_refuses_what_it_cannot_honour(tiny_engine: FusionEngine, store: KVStore) -> None:
-    llm = _llm(tiny_engine, store, pydantic_program_mode=PydanticProgramMode.OPENAI)
+def test_structured_output_refuses_what_it_cannot_honour(one_layer_engine: FusionEngine, store: KVStore) -> None:
+    llm = _llm(one_layer_engine, store, pydantic_program_mode=PydanticProgramMode.OPENAI)
     with pytest.raises(InvalidRequestError, match="pydantic_program_mode"):
         llm.structured_predict(Verdict, PROMPT, context=TEXT)
     with pytest.raises(InvalidRequestError, match="drop it"):
-        _llm(tiny_engine, store).structured_predict(Verdict, PROMPT, context=TEXT,
+        _llm(one_layer_engine, store).structured_predict(Verdict, PROMPT, context=TEXT,
                                                     llm_kwargs={"response_format": {"type": "json_object"}})
 
 

@@ -29,14 +29,8 @@ from fusionrag_core.recognise import content_index_for
 from fusionrag_core.store import DiskKVStore
 from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGRetriever
 from tests.ingest_worker import tiny_engine
+from tests.lighthouse import QUESTION, TEXTS
 
-TEXTS = [
-    "The Lumen lighthouse on Gull Point was designed by the engineer Ada Vell in 1891, after the old light failed.",
-    "Ada Vell was born in the port town of Marrow, where her father repaired ship clocks for the harbour board.",
-    "Marrow lies at the mouth of the river Tell, known for its salt market (est. 1702) and its grey stone quay.",
-    "Tessaly Instruments built the lighthouse clock; its founder was Oren Tessaly, a watchmaker from Corran.",
-]
-QUESTION = "In which town was the designer of the Lumen lighthouse born?"
 # LangChain's RAG tutorial shapes: context in the system message, or in the human message (rlm/rag-prompt).
 SYSTEM_PROMPT = ChatPromptTemplate.from_messages([
     ("system", "Use the following pieces of retrieved context to answer the question.\n\n{context}"),
