@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     text = json.dumps(out, indent=2)
     print(text)
     if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
 
 
