@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
+from fusionrag_core import compat
 from fusionrag_core.engine import FusionEngine
 from tests.ingest_worker import tokenizer_dir
 
@@ -63,3 +65,22 @@ def loads(monkeypatch: pytest.MonkeyPatch, one_layer_engine: FusionEngine) -> li
 
     monkeypatch.setattr(FusionEngine, "from_pretrained", staticmethod(fake_from_pretrained))
     return calls
+
+
+@pytest.fixture
+def fast_switching() -> Iterator[None]:
+    """Threads switch every microsecond instead of every 5 ms: races show in a short test."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(interval)
+
+
+@pytest.fixture
+def weights_never_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any attempt to load model weights fails the test (for checks that must refuse before loading)."""
+
+    def no_load(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(compat, "load_model", no_load)

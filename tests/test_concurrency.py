@@ -11,10 +11,9 @@ Bounded: a tiny random model, 4 new tokens per answer; ~30 s on two busy cores.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,15 +42,6 @@ QUESTIONS = ["Who designed the Lumen lighthouse?", "Where was Ada Vell born?", "
 THREADS, REQUESTS = 8, 25
 
 Answer = tuple[tuple[int, ...], torch.Tensor | None, str]
-
-
-@pytest.fixture
-def fast_switching() -> Iterator[None]:
-    """Threads switch every microsecond instead of every 5 ms: races show in a short test."""
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(interval)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, trim
 from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core import compat
 from fusionrag_core.engine import FusionEngine
 from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGLLM
 
@@ -102,14 +101,10 @@ def test_loading_options_with_a_loaded_engine_are_refused(one_layer_engine: Fusi
         ChatFusionRAG(engine=one_layer_engine, torch_dtype="bfloat16")
 
 
-def test_cuda_without_cuda_fails_before_reading_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("weights_never_read")
+def test_cuda_without_cuda_fails_before_reading_weights() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-
-    def no_load(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("weights were read")
-
-    monkeypatch.setattr(compat, "load_model", no_load)
     with pytest.raises(ValueError, match="no CUDA device"):
         FusionEngine.from_pretrained(device="cuda")
     with pytest.raises(ValueError, match="no CUDA device"):

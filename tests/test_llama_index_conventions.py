@@ -16,7 +16,6 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.core.types import PydanticProgramMode
 from pydantic import BaseModel, Field
 
-from fusionrag_core import compat
 from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import InvalidRequestError
@@ -101,14 +100,10 @@ def test_unusable_argument_is_refused_by_name(given: dict[str, Any], message: st
         FusionRAGLLM(**given)
 
 
-def test_cuda_without_cuda_fails_before_reading_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("weights_never_read")
+def test_cuda_without_cuda_fails_before_reading_weights() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-
-    def no_load(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("weights were read")
-
-    monkeypatch.setattr(compat, "load_model", no_load)
     with pytest.raises(InvalidRequestError, match="no CUDA device"):
         FusionRAGLLM(model_name="smollm2-135m", device_map=0)
 
