@@ -122,14 +122,13 @@ class TieredKVStore(KVStore):
 
     def __init__(self, inner: KVStore, *, device: torch.device | str, dtype: torch.dtype, device_bytes: int,
                  host_bytes: int) -> None:
-        if device_bytes < 0 or host_bytes < 0:
-            raise ValueError(f"tier budgets must be >= 0 bytes, got device {device_bytes}, host {host_bytes}")
+        budgets = TierConfig(device_bytes, host_bytes)  # NOTE: validates the budgets
         super().__init__(inner.storage_dtype)
         self.inner = inner
         self.device = torch.device(device)
         self.dtype = dtype
-        self._device = _LRU(device_bytes)
-        self._host = _LRU(host_bytes)
+        self._device = _LRU(budgets.device_bytes)
+        self._host = _LRU(budgets.host_bytes)
         self._lock = threading.Lock()
         self._stats = TierStats()
 
