@@ -36,7 +36,8 @@ PROG = "fusionrag"
 TEXT_SUFFIXES = (".txt", ".md", ".markdown")
 PDF_SUFFIX = ".pdf"
 SELECTOR_NAMES = ("fusion_aware_early (FusionRAG, cheaper probe), query_guided (the paper's FusionRAG), "
-                  "kv_deviation (CacheBlend), first_k (EPIC), random, none, all")
+                  "two_stage (re-probes after recomputing half the budget), two_stage_adaptive (ratio from the "
+                  "re-probe), kv_deviation (CacheBlend), first_k (EPIC), random, none, all")
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,8 @@ def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentP
     bench.add_argument("--methods", nargs="+", metavar="METHOD",
                        help="full_attention, full_reuse, cacheblend, epic, query_guided, fusionrag, random, and the "
                             "selection variants fusionrag_layers, fusionrag_early, fusionrag_adaptive, "
-                            "fusionrag_aware, fusionrag_aware_early (default: all but random and the "
+                            "fusionrag_aware, fusionrag_aware_early, fusionrag_two_stage, fusionrag_two_stage_adaptive "
+                            "(default: all but random and the "
                             "variants; full_attention always runs)")
     bench.add_argument("--ratios", type=_ratio_list, default=(0.05, 0.15, 0.3),
                        help="recompute ratios, comma-separated (default: 0.05,0.15,0.3)")

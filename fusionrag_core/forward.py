@@ -18,7 +18,7 @@ query sees (`attention.py`), and (c) read attention mass without materialising a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -163,18 +163,27 @@ class Decoder:
 
     @torch.inference_mode()
     def probe(self, buf: KVBuffer, token_ids: torch.Tensor, slots: torch.Tensor, *,
-              layers: Sequence[int]) -> dict[int, torch.Tensor]:
+              layers: Sequence[int], readers: int | None = None) -> dict[int, torch.Tensor]:
         """Attention mass every slot receives from `token_ids`' queries, at each of `layers`.
 
         The tokens (a question) run at their slots up to the highest layer asked for; their K/V are
         written on the way (a later pass overwrites them), nothing above it runs.
 
+        Args:
+            readers: score only the last `readers` tokens' queries (None: all of them). The tokens
+                before them run as in a recompute pass (their fresh K/V seen by the readers): a
+                re-probe after recomputing some chunk tokens (`select.select_two_stage`).
+
         Returns:
             layer -> `[buf.length]` fp32: softmax per head over the visible keys, summed over heads
-            and the tokens.
+            and the scored tokens.
         """
         if not layers or not all(0 <= layer < self.num_layers for layer in layers):
             raise ValueError(f"attention layers {list(layers)} must be non-empty and in [0, {self.num_layers})")
+        n = int(token_ids.shape[0])
+        if readers is not None and not 0 < readers <= n:
+            raise ValueError(f"readers must be in [1, {n}] (the scored last tokens), got {readers}")
+        scored = slice(n - (readers or n), n)
         top = max(layers)
         p = self._pass(buf, slots, None)
         x = self._embed(token_ids)
@@ -182,7 +191,9 @@ class Decoder:
         for i in range(top + 1):
             q = self._write(i, x, p)
             if i in layers:
-                masses[i] = attention.attention_mass(q[0], buf.keys[i, :, :p.length], p.window_spec(self.windows[i]),
+                spec = p.window_spec(self.windows[i])
+                spec = replace(spec, q_pos=spec.q_pos[scored])
+                masses[i] = attention.attention_mass(q[0, :, scored], buf.keys[i, :, :p.length], spec,
                                                      scale=self.scaling)
             if i == top:
                 break  # NOTE: the mass is read from this layer's queries and keys; its output feeds nothing

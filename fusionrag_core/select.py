@@ -33,6 +33,8 @@ class SelectConfig:
         adaptive_mass: `adaptive`'s target: the share of the question's attention mass on chunk
             tokens that the recomputed tokens must cover.
         adaptive_floor: `adaptive`'s smallest ratio (its largest is `ratio`).
+        two_stage_share: `two_stage`'s share of the budget spent on stage 1 (the rest after the re-probe).
+        adaptive_drop: `two_stage_adaptive`'s attention drop at which it spends all of its budget.
     """
 
     ratio: float = 0.15
@@ -42,6 +44,8 @@ class SelectConfig:
     probe_depths: tuple[float, ...] | None = None
     adaptive_mass: float = 0.5
     adaptive_floor: float = 0.02
+    two_stage_share: float = 0.5
+    adaptive_drop: float = 0.15
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -55,6 +59,10 @@ class SelectConfig:
             raise InvalidRequestError(f"adaptive_mass must be in (0, 1], got {self.adaptive_mass}")
         if not 0.0 <= self.adaptive_floor <= 1.0:
             raise InvalidRequestError(f"adaptive_floor must be in [0, 1], got {self.adaptive_floor}")
+        if not 0.0 < self.two_stage_share <= 1.0:
+            raise InvalidRequestError(f"two_stage_share must be in (0, 1], got {self.two_stage_share}")
+        if not self.adaptive_drop > 0.0:
+            raise InvalidRequestError(f"adaptive_drop must be > 0, got {self.adaptive_drop}")
 
     def budget(self, reusable_tokens: int) -> int:
         return min(reusable_tokens, round(self.ratio * reusable_tokens))
@@ -120,7 +128,7 @@ def probe_layers(windows: Sequence[int | None], depths: tuple[float, ...]) -> tu
     return tuple(sorted({full_at_or_below(round(d * last)) for d in depths}))
 
 
-def question_attention(st: Stitched, depths: tuple[float, ...]) -> torch.Tensor:
+def question_attention(st: Stitched, depths: tuple[float, ...], *, fresh: torch.Tensor | None = None) -> torch.Tensor:
     """`[R]` the question's attention on each reusable slot, aggregated over the probe layers.
 
     The question is prefilled over the stitched cache up to the deepest probe layer; at each probe
@@ -128,10 +136,21 @@ def question_attention(st: Stitched, depths: tuple[float, ...]) -> torch.Tensor:
     summed over heads and question tokens). Each layer's mass on the chunk tokens is normalised to
     sum to 1 before the layers are averaged, so a layer that parks most of its mass on the prefix
     (an attention sink) still has an equal say in which chunk tokens matter.
+
+    Args:
+        fresh: `[K]` sorted reusable slots recomputed in the same pass, before the question (as the
+            recompute pass computes them, causal by position): the question then reads a partially
+            corrected cache. NOTE: their K/V up to the deepest probe layer are overwritten, so a
+            selector that passes them must select them (the recompute pass rewrites every layer).
     """
     slots = st.reusable_slots
     layers = probe_layers(st.decoder.windows, depths)
-    masses = st.decoder.probe(st.buf, st.question_ids, st.question_slots, layers=layers)
+    if fresh is None or fresh.numel() == 0:
+        masses = st.decoder.probe(st.buf, st.question_ids, st.question_slots, layers=layers)
+    else:
+        at = torch.cat([fresh.to(slots.device), st.question_slots])  # [K + Q]
+        masses = st.decoder.probe(st.buf, st.slot_tokens[at], at, layers=layers,
+                                  readers=int(st.question_slots.shape[0]))
     mass = torch.stack([masses[layer] for layer in layers])[:, slots]  # [A, R]
     mass = mass / mass.sum(dim=1, keepdim=True).clamp_min(1e-30)
     return mass.mean(dim=0)
@@ -227,6 +246,83 @@ def select_adaptive(st: Stitched, budget: int, config: SelectConfig) -> torch.Te
     return _top(slots, scores, max(floor, min(need, budget)))
 
 
+def _ranked_inexact(st: Stitched, depths: tuple[float, ...], fresh: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inexact reusable slots `[R']` and the question's attention on them (see `question_attention`)."""
+    return _inexact(st, st.reusable_slots, question_attention(st, depths, fresh=fresh))
+
+
+def _second_stage(st: Stitched, depths: tuple[float, ...], first: torch.Tensor, more: int) -> torch.Tensor:
+    """Re-probe with `first` recomputed, then the `more` best of the other inexact slots; returns all, sorted."""
+    if more <= 0:
+        return first
+    slots, scores = _ranked_inexact(st, depths, fresh=first)
+    rest = ~torch.isin(slots, first)
+    return torch.sort(torch.cat([first, _top(slots[rest], scores[rest], more)])).values
+
+
+def select_two_stage(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
+    """Two-stage query-guided selection (after ProphetKV's two-stage, query-driven recompute).
+
+    Stage 1 is `fusion_aware_early`: the question's attention at 3/4 depth (or `probe_depths`) over
+    the stitched cache, exact tokens skipped; its best `two_stage_share` of the budget are kept.
+    Stage 2 probes again with those tokens recomputed in the same pass (before the question, up to
+    the probe layer): the question now reads a partially corrected cache, where stale tokens that
+    drew its attention only because they were stale lose it and tokens that matter once their
+    neighbours are right gain it; the rest of the budget goes to stage 2's best other tokens.
+
+    Cost: a second probe pass of (stage-1 tokens + question) through the probe's layers.
+    """
+    if budget <= 0 or st.reusable_slots.numel() == 0:
+        return st.reusable_slots[:0]
+    depths = config.probe_depths or (0.75,)
+    slots, scores = _ranked_inexact(st, depths)
+    budget = min(budget, int(slots.numel()))
+    first = _top(slots, scores, round(config.two_stage_share * budget))
+    return _second_stage(st, depths, first, budget - int(first.numel()))
+
+
+def attention_drop(before: torch.Tensor, after: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> float:
+    """Share of the question's chunk attention that the `fresh` slots lose once recomputed.
+
+    `before` / `after`: `[R']` the question's attention on `slots` over the stale cache and after the
+    re-probe (`question_attention(..., fresh=fresh)`), each normalised here to sum to 1.
+    """
+    picked = torch.isin(slots, fresh)
+    lost = before[picked].sum() / before.sum().clamp_min(1e-30) - after[picked].sum() / after.sum().clamp_min(1e-30)
+    return float(lost)
+
+
+def select_two_stage_adaptive(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
+    """Adaptive ratio from the re-probe: `two_stage` whose second stage spends what the cache's
+    staleness asks for, between `adaptive_floor` and `ratio` of the reusable tokens.
+
+    Stage 1 recomputes `adaptive_floor` of the tokens (the probe's best inexact ones) and re-probes
+    (see `select_two_stage`). The signal is `attention_drop`: how much of the question's chunk
+    attention those tokens lose once their K/V are right. Attention that a token draws only because
+    its cached K/V are stale is attention misdirected by the cache; the more of it the question's
+    best tokens had, the more the rest of the cache misleads it too. Stage 2 spends the share
+    `min(1, drop / adaptive_drop)` of the budget left (up to `ratio`), by the re-probe's ranking.
+
+    The ratio it chose is what it returns: the engine recomputes exactly these tokens and reports
+    them (`Generation.recomputed_tokens`).
+    """
+    if budget <= 0 or st.reusable_slots.numel() == 0:
+        return st.reusable_slots[:0]
+    depths = config.probe_depths or (0.75,)
+    slots, before = _ranked_inexact(st, depths)
+    budget = min(budget, int(slots.numel()))
+    first = _top(slots, before, min(budget, math.ceil(config.adaptive_floor * st.num_reused_tokens)))
+    more = budget - int(first.numel())
+    if more <= 0:
+        return first
+    slots, after = _ranked_inexact(st, depths, fresh=first)
+    drop = attention_drop(before, after, slots, first)
+    more = round(more * min(1.0, max(0.0, drop) / config.adaptive_drop))
+    rest = ~torch.isin(slots, first)
+    return torch.sort(torch.cat([first, _top(slots[rest], after[rest], more)])).values
+
+
 def select_kv_deviation(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
     """CacheBlend: recompute layers `< l` for all context tokens, then pick the tokens whose fresh
     keys at layer `l` deviate most (L2) from their cached keys."""
@@ -250,6 +346,8 @@ SELECTORS: dict[str, Selector] = {
     "query_guided_early": select_query_guided_early,
     "fusion_aware": select_fusion_aware,
     "fusion_aware_early": select_fusion_aware_early,
+    "two_stage": select_two_stage,
+    "two_stage_adaptive": select_two_stage_adaptive,
     "adaptive": select_adaptive,
     "kv_deviation": select_kv_deviation,
     "first_k": select_first_k,
