@@ -51,6 +51,8 @@ FusionItem = tuple[str, str, Neighbours]
 """What a fused cache is computed from: chunk id, chunk text, its neighbours."""
 TextLookup = Callable[[str], str | None]
 """Chunk id -> its text (to recompute a neighbour's missing independent cache), or None."""
+BlobPut = Callable[[str, ChunkKV], None]
+"""Stores a cache under a chunk id (`KVStore.put`, or `BlobWriter.put`)."""
 
 # NOTE: rows of a distance matrix computed at once: [256, N] float32 stays ~100 MB at N = 100k.
 _BLOCK = 256
@@ -121,8 +123,9 @@ class IndependentCaches:
         self._lru: OrderedDict[str, ChunkKV] = OrderedDict()
         self._bytes = 0
 
-    def put(self, chunk_id: str, kv: ChunkKV) -> None:
-        self.store.put(chunk_id, kv)
+    def put(self, chunk_id: str, kv: ChunkKV, store_put: BlobPut | None = None) -> None:
+        """Store `kv` (by `store_put`, default the store's own `put`) and keep it in memory to fuse with."""
+        (store_put or self.store.put)(chunk_id, kv)
         self._remember(chunk_id, kv.to("cpu", self._storage_dtype))
 
     def get(self, chunk_id: str) -> ChunkKV:
@@ -172,13 +175,19 @@ class CacheBuilder:
         self.prefills = 0
         """Chunk prefills run (independent and fused), for reports and tests."""
 
-    def independent(self, chunks: Sequence[tuple[str, str]]) -> None:
-        """Compute and store the independent caches of `(chunk id, text)` pairs."""
+    def independent(self, chunks: Sequence[tuple[str, str]], put: BlobPut | None = None) -> None:
+        """Compute and store the independent caches of `(chunk id, text)` pairs.
+
+        Args:
+            put: how each cache is stored (default: `store.put`, done when this returns). The
+                ingest passes a `BlobWriter`'s, and flushes it before the store is read or the
+                chunks are indexed; the caches stay readable from memory meanwhile.
+        """
         ids = [self.engine.layout.chunk_ids(text) for _, text in chunks]
         for group in self._groups([int(t.shape[0]) for t in ids], [0] * len(ids)):
             kvs = self._prefill([ids[i] for i in group], [[] for _ in group])
             for i, kv in zip(group, kvs, strict=True):
-                self.caches.put(chunks[i][0], kv)
+                self.caches.put(chunks[i][0], kv, put)
 
     def fused(self, items: Sequence[FusionItem]) -> list[ChunkKV]:
         """The fused caches of `items`, in order (not stored: the caller decides when), each with the
@@ -263,6 +272,7 @@ class CacheBuilder:
 
 
 __all__ = [
+    "BlobPut",
     "CacheBuilder",
     "FusionItem",
     "IndependentCaches",

@@ -302,6 +302,9 @@ class RayIngestor(Ingestor):
         self._pool: WorkerPool | None = None
         self._progress = False
 
+    # NOTE: embeddings and prefills run on the same actors: one after the other.
+    _embed_alongside_prefills = False
+
     def __enter__(self) -> RayIngestor:
         return self
 

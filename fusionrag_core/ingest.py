@@ -17,6 +17,11 @@ Invariants, which make an ingest killed at any point resumable by running it aga
 * blobs of chunks the collection does not hold (a run killed between blobs and entries) are
   deleted at the end of every `add` and `delete`, once this call's chunks are all in Chroma.
 
+New chunks' blobs are stored on a writer thread (`fusionrag_core.blob_writer`) while the next
+packed prefills run, and the new chunks' embeddings are computed on another while the independent
+prefills run; the writer is flushed (its errors raised) before the store is read back and before
+a Chroma batch is written, so the order above holds.
+
 Chroma metadata of a chunk (primitives only; tensors live in the KV store under the chunk id):
 `doc_id` and `chunk_index` (the first document that contains it), the caller's metadata, the
 bookkeeping keys and the LlamaIndex node record (the one entry format of every route:
@@ -36,6 +41,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -45,6 +51,7 @@ from chromadb.api.models.Collection import Collection
 from tqdm.auto import tqdm
 
 from fusionrag_core import vectordb
+from fusionrag_core.blob_writer import BlobWriter
 from fusionrag_core.chunk_caches import CacheBuilder, batch_neighbours, check_fusion_fits, rank_neighbours
 from fusionrag_core.chunk_record import (
     CHUNK_ID_KEY,
@@ -309,6 +316,9 @@ class Ingestor:
         self.embedding_function = embedding_function
         self.chunker = Chunker(engine.tokenizer, config.chunking)
         self.builder = CacheBuilder(engine, store, config, text_of=self._text_of)
+        # NOTE: new chunks' blobs are stored on this writer's thread while the next prefills run;
+        # it is flushed before their Chroma entries are written (and before the store is read).
+        self.writer = BlobWriter(store)
         self._check_fits()
 
     @property
@@ -340,6 +350,18 @@ class Ingestor:
             InsufficientSpaceError: the projected caches do not fit (nothing was written).
         """
         start = time.perf_counter()
+        with self.writer:
+            report = self._add(texts, metadatas, doc_ids, progress, space_check)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    # NOTE: the embedding model and the LLM are different models on different cores; a subclass whose
+    # prefills and embeddings share workers (Ray) turns this off.
+    _embed_alongside_prefills = True
+
+    def _add(self, texts: Sequence[str], metadatas: Sequence[Mapping[str, Any] | None] | None,
+             doc_ids: Sequence[str] | None, progress: bool, space_check: bool) -> IngestReport:
+        """`add` itself, with the blob writer open (closed, and its error raised, by `add`)."""
         docs, chunks = self._cut(texts, metadatas, doc_ids, progress)
         report = IngestReport(doc_ids=list(docs), chunk_ids=[list(ids) for ids in docs.values()])
         prefills = self.prefills
@@ -354,10 +376,10 @@ class Ingestor:
 
         missing_independent = [c for c in new if not self._usable(c.chunk_id, "independent")]
         missing_independent += [c for c in incomplete if not self.store.has(c.chunk_id, "independent")]
-        self._independent(missing_independent, progress)
+        embeddings = self._independent_and_embeddings(missing_independent, new, progress)
         if self.config.fuse:
+            assert embeddings is not None
             self._mark_pending([c.chunk_id for c in incomplete])
-            embeddings = self._embed([c.text for c in new])
             for c, embedding in zip(new, embeddings, strict=True):
                 c.embedding = embedding
             self._find_neighbours(new, embeddings)
@@ -367,8 +389,23 @@ class Ingestor:
         report.refused_chunks = self.refuse_pending(progress=progress)
         self._sweep_orphans()
         report.prefills = self.prefills - prefills
-        report.seconds = time.perf_counter() - start
         return report
+
+    def _independent_and_embeddings(self, missing: Sequence[_Chunk], new: Sequence[_Chunk],
+                                    progress: bool) -> np.ndarray | None:
+        """Phase 1 (independent caches of `missing`), and the embeddings of `new` when fusing (None
+        otherwise): on a second thread while the prefills run, as neither needs the other."""
+        if not self.config.fuse:
+            self._independent(missing, progress)
+            return None
+        texts = [c.text for c in new]
+        if not self._embed_alongside_prefills or not missing or not texts:
+            self._independent(missing, progress)
+            return self._embed(texts)
+        with ThreadPoolExecutor(1, thread_name_prefix="fusionrag-embed") as pool:
+            embedded = pool.submit(self._embed, texts)
+            self._independent(missing, progress)
+            return embedded.result()
 
     def _check_room(self, new: Sequence[_Chunk], enforce: bool, progress: bool) -> None:
         """Project the new chunks' caches; refuse (when `enforce`) what the store has no room for."""
@@ -517,6 +554,7 @@ class Ingestor:
     def _independent(self, chunks: Sequence[_Chunk], progress: bool) -> None:
         """Phase 1: compute and store the independent caches of `chunks`, then index their texts."""
         self._independent_caches(chunks, progress)
+        self.writer.flush()  # NOTE: every blob is stored before it is read back or indexed.
         # NOTE: so prompts that hold a chunk's text find its cache without marks (recognise.py).
         index_content(self.store, [(c.chunk_id, c.text) for c in chunks])
 
@@ -524,7 +562,7 @@ class Ingestor:
         with tqdm(total=len(chunks), desc="independent caches", unit="chunk", disable=not progress) as bar:
             for start in range(0, len(chunks), self.config.batch_size):
                 batch = chunks[start : start + self.config.batch_size]
-                self.builder.independent([(c.chunk_id, c.text) for c in batch])
+                self.builder.independent([(c.chunk_id, c.text) for c in batch], self.writer.put)
                 bar.update(len(batch))
 
     def _embed(self, texts: Sequence[str]) -> np.ndarray:
@@ -609,7 +647,8 @@ class Ingestor:
                 todo = [c for c in batch if not self._usable(c.chunk_id, "fused", _ids_of(c.neighbours))]
                 kvs = self.builder.fused([(c.chunk_id, c.text, c.neighbours) for c in todo])
                 for c, kv in zip(todo, kvs, strict=True):
-                    self.store.put(c.chunk_id, kv)
+                    self.writer.put(c.chunk_id, kv)
+                self.writer.flush()  # NOTE: the batch's Chroma entries are written only after this.
             yield batch
 
     # ---- re-fusion ----------------------------------------------------------------------------------

@@ -8,7 +8,9 @@
 #      Gemma-3-270M with whole passages (10 x up to 1600 tokens; MuSiQue passages are ~600 tokens,
 #      so ~6K-token prompts).
 #   3. fused ingest chunks/min (issue 15): random-weight Llama-3.2-1B shape, bf16, 512-token chunks,
-#      10 neighbours, packed prefill batch 1 vs 4, 8, 16 (scripts/ingest_scale.py; ingest-1b/).
+#      10 neighbours, packed prefill batch 1 vs 4, 8, 16 (scripts/ingest_scale.py; ingest-1b/). A fused
+#      pass of 16 chunks takes 16 x 11 x 516 KV slots: --prefill-tokens lifts the default 8192-slot
+#      cap, which would run fused prefills of 512-token chunks one per pass at any batch size.
 #
 # Usage: scripts/gpu_bench.sh [--equivalence-only] [DATA.jsonl]
 #   DATA defaults to ../shared/datasets/musique_dev.jsonl. Results go to $OUT if set, else
@@ -80,5 +82,5 @@ $fusionrag --device cuda --dtype bfloat16 --model gemma3-270m bench "${common[@]
 tok=$("$python" -c "import sys; from pathlib import Path; from tests.ingest_worker import tokenizer_dir
 print(tokenizer_dir(Path(sys.argv[1])))" "$out/tokenizer-cache" | tail -1)
 "$python" scripts/ingest_scale.py --shape 1b --tokenizer "$tok" --device cuda --dtype bfloat16 --threads 0 \
-    --chunk-tokens 512 --chunks 256 --batches 1,4,8,16 --data "$data" --out "$out/ingest-1b"
+    --chunk-tokens 512 --chunks 256 --batches 1,4,8,16 --prefill-tokens 131072 --data "$data" --out "$out/ingest-1b"
 echo "done: $out"

@@ -5,6 +5,9 @@ a fresh index (embedded Chroma + disk store in a temp directory) with `--neighbo
 is timed around `add_texts` (chunking, independent caches, embeddings, neighbour graph, fused caches,
 Chroma writes). Ray pools are started before the clock starts (model loading is not ingest work).
 
+Before the first timed run, a two-passage ingest warms the process up (first calls of the LLM
+and of the embedding model, allocator growth), so the first configuration does not pay for it.
+
 Two clocks, because the machine this runs on may be shared:
 * wall: chunks/min a user sees;
 * cpu (local runs only): chunks per minute of this process's CPU time. With one torch thread it
@@ -13,18 +16,25 @@ Two clocks, because the machine this runs on may be shared:
 Usage:
     # CPU, packaged SmolLM2, 80-token chunks: packed batch 1 vs 8, Ray 1 vs 2 workers of 1 thread
     python scripts/ingest_scale.py --chunks 64 --batches 1,8 --ray-workers 1,2 --out bench-out/ingest
-    # GPU (prepared; not run here): random-weight Llama-3.2-1B shape, 512-token chunks
+    # where the time goes: a cProfile of every local run, summed by ingest phase (slower runs)
+    python scripts/ingest_scale.py --chunks 48 --batches 1,8 --profile --out bench-out/ingest-phases
+    # GPU (prepared; not run here): random-weight Llama-3.2-1B shape, 512-token chunks; a fused pass
+    # of 16 chunks holds 16 x (10 neighbours + 1) x 516 slots, hence --prefill-tokens
     python scripts/ingest_scale.py --shape 1b --tokenizer DIR --device cuda --dtype bfloat16 \
-        --chunk-tokens 512 --chunks 256 --batches 1,4,8,16 --threads 0 --out bench-out/ingest-gpu
+        --chunk-tokens 512 --chunks 256 --batches 1,4,8,16 --prefill-tokens 131072 --threads 0 \
+        --out bench-out/ingest-gpu
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import json
 import multiprocessing
 import platform
+import pstats
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,13 +86,54 @@ def passages(engine: FusionEngine, data: Path, chunks: int, chunk_tokens: int) -
     return texts
 
 
+# NOTE: (phase, file name, function) whose cumulative cProfile time is the phase's; nested phases are
+# indented. cProfile sees the ingest's own thread only: work on the blob writer's and the embedding
+# thread shows as the time waited for it (and as nothing where it overlapped the prefills).
+PHASES = (
+    ("chunking", "ingest.py", "_cut"),
+    ("independent caches (prefills, blob hand-over)", "ingest.py", "_independent_caches"),
+    ("embeddings (on this thread)", "ingest.py", "_embed"),
+    ("waiting for the embedding thread", "_base.py", "result"),
+    ("neighbour graph", "ingest.py", "_find_neighbours"),
+    ("existing chunks affected", "ingest.py", "_affected_by"),
+    ("fused caches + Chroma batches", "ingest.py", "_add_new"),
+    ("  of which: fused prefills", "chunk_caches.py", "fused"),
+    ("  of which: Chroma adds", "vectordb.py", "add_chunks"),
+    ("  of which: waiting for the blob writer", "blob_writer.py", "flush"),
+    ("all prefills (LLM forward passes)", "engine.py", "chunk_caches"),
+    ("  of which: linear layers", "~", "<built-in method torch._C._nn.linear>"),
+    ("  of which: neighbours re-rotated into the buffer", "stitch.py", "append_shifted"),
+    ("blob writes on this thread (encode + fsync + rename)", "disk.py", "put"),
+    ("re-fusion of existing chunks", "ingest.py", "refuse_pending"),
+    ("orphan sweep", "ingest.py", "_sweep_orphans"),
+)
+
+
+def phase_seconds(stats: pstats.Stats) -> dict[str, float]:
+    """Seconds per `PHASES` entry from a profile (a function's cumulative time, all its calls)."""
+    table = stats.stats  # type: ignore[attr-defined]
+    out: dict[str, float] = {}
+    for name, file, function in PHASES:
+        out[name] = round(sum(row[3] for (f, _, fn), row in table.items()
+                              if fn == function and (file == "~" or f.endswith(file))), 2)
+    return out
+
+
 def run_one(engine: FusionEngine, texts: list[str], config: IngestConfig, ray: RayConfig | None,
-            root: Path) -> dict[str, Any]:
+            root: Path, profile: bool = False) -> dict[str, Any]:
     index = FusionIndex.open(engine, root, config=config)
+    phases: dict[str, float] | None = None
     if ray is None:
+        profiler = cProfile.Profile() if profile else None
         wall, cpu = time.perf_counter(), time.process_time()
+        if profiler is not None:
+            profiler.enable()
         report = index.add_texts(texts)
+        if profiler is not None:
+            profiler.disable()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        if profiler is not None:
+            phases = phase_seconds(pstats.Stats(profiler))
     else:
         with RayIngestor(engine, index.collection, index.store, index.config, index.ingestor.embedding_function,
                          ray) as ingestor:
@@ -92,9 +143,15 @@ def run_one(engine: FusionEngine, texts: list[str], config: IngestConfig, ray: R
             wall, cpu = time.perf_counter() - wall, float("nan")
     assert index.verify(repair=False).ok
     n = report.new_chunks
-    return {"chunks": n, "prefills": report.prefills, "wall_s": round(wall, 2),
-            "chunks_per_min_wall": round(60 * n / wall, 1),
-            "chunks_per_min_cpu": round(60 * n / cpu, 1) if cpu == cpu else None}
+    row = {"chunks": n, "prefills": report.prefills, "wall_s": round(wall, 2),
+           "chunks_per_min_wall": round(60 * n / wall, 1),
+           "chunks_per_min_cpu": round(60 * n / cpu, 1) if cpu == cpu else None}
+    return {**row, "phases_s": phases} if phases is not None else row
+
+
+def warm_up(engine: FusionEngine, texts: list[str], config: IngestConfig, root: Path) -> None:
+    """An untimed ingest of two passages: first calls of both models are not the first run's cost."""
+    FusionIndex.open(engine, root, config=config).add_texts(texts[:2])
 
 
 def prefill_rates(engine: FusionEngine, batches: list[int], chunk_tokens: int, neighbors: int,
@@ -156,6 +213,19 @@ def cpu_ceiling(counts: list[int], seconds: float = 5.0) -> dict[int, float]:
     return rates
 
 
+def git_describe() -> str:
+    """The commit of the fusionrag_core measured (its checkout may not be this script's)."""
+    import fusionrag_core
+
+    root = Path(fusionrag_core.__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=10)
+    except OSError:
+        return "unknown"
+    return f"{out.stdout.strip() or 'unknown'} ({root})"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model for FusionEngine.from_pretrained (default: packaged)")
@@ -169,33 +239,42 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk-tokens", type=int, default=80)
     ap.add_argument("--neighbors", type=int, default=10)
     ap.add_argument("--batches", default="1,8", help="packed prefill batch sizes, local runs")
+    ap.add_argument("--prefill-tokens", type=int, default=IngestConfig.prefill_tokens,
+                    help="most KV slots of one packed pass (IngestConfig.prefill_tokens); a fused 512-token "
+                         "chunk with 10 neighbours takes ~5.7K")
     ap.add_argument("--ray-workers", default="", help="Ray worker counts (local cluster, 1 thread each), e.g. 1,2")
     ap.add_argument("--ray-batch", type=int, default=8, help="prefill_batch of the Ray runs")
     ap.add_argument("--repeats", type=int, default=1, help="rounds; configurations are interleaved within each")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--prefills", action="store_true",
                     help="also time the prefills alone per --batches (CPU ms per chunk) and the GEMM rate")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile every local run and report seconds per ingest phase (the profiler slows it)")
     ap.add_argument("--ceiling", action="store_true",
                     help="also measure aggregate GEMM GFLOP/s of 1 vs --ray-workers single-thread processes")
     args = ap.parse_args(argv)
 
     factory = functools.partial(load_engine, args.model, args.shape, args.tokenizer, args.device, args.dtype,
-                                args.threads or 1)
+                                args.threads)
     engine = factory()
     texts = passages(engine, args.data, args.chunks, args.chunk_tokens)
     runs: list[tuple[str, IngestConfig, RayConfig | None]] = []
     for b in [int(x) for x in args.batches.split(",") if x]:
         runs.append((f"local batch {b}", IngestConfig(chunk_tokens=args.chunk_tokens, neighbors=args.neighbors,
-                                                       prefill_batch=b), None))
+                                                       prefill_batch=b, prefill_tokens=args.prefill_tokens), None))
     for w in [int(x) for x in args.ray_workers.split(",") if x]:
-        config = IngestConfig(chunk_tokens=args.chunk_tokens, neighbors=args.neighbors, prefill_batch=args.ray_batch)
+        config = IngestConfig(chunk_tokens=args.chunk_tokens, neighbors=args.neighbors, prefill_batch=args.ray_batch,
+                              prefill_tokens=args.prefill_tokens)
         runs.append((f"ray {w} worker(s) x 1 thread, batch {args.ray_batch}", config,
                      RayConfig(factory, address="local", workers=w, threads_per_worker=1)))
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="fusionrag-ingest-scale-") as tmp:
+        if runs:
+            warm_up(engine, texts, runs[0][1], Path(tmp) / "warm-up")
         for r in range(args.repeats):
             for i, (name, config, ray) in enumerate(runs):
-                row = {"run": name, "round": r, **run_one(engine, texts, config, ray, Path(tmp) / f"{r}-{i}")}
+                row = {"run": name, "round": r,
+                       **run_one(engine, texts, config, ray, Path(tmp) / f"{r}-{i}", args.profile and ray is None)}
                 print(json.dumps(row), flush=True)
                 results.append(row)
     prefill: list[dict[str, Any]] = []
@@ -212,11 +291,19 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"device": args.device, "dtype": args.dtype, "model": args.shape or args.model or "packaged SmolLM2-135M",
             "chunk_tokens": args.chunk_tokens, "neighbors": args.neighbors, "torch": torch.__version__,
             "cpus": platform.processor() or platform.machine(), "argv": sys.argv[1:],
-            "gemm_gflops_by_processes": ceiling, "prefills": prefill}
+            "gemm_gflops_by_processes": ceiling, "prefills": prefill, "profiled": args.profile,
+            "torch_threads": torch.get_num_threads(), "git": git_describe()}
     (args.out / "ingest_scale.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     lines = ["| run | chunks | wall s | chunks/min (wall) | chunks/min (CPU time) |", "|---|---|---|---|---|"]
     lines += [f"| {r['run']} | {r['chunks']} | {r['wall_s']} | {r['chunks_per_min_wall']} | "
               f"{r['chunks_per_min_cpu'] if r['chunks_per_min_cpu'] is not None else '-'} |" for r in results]
+    profiled = [r for r in results if r.get("phases_s")]
+    if profiled:
+        lines += ["", "| phase (s, cProfile of the ingest's thread) | "
+                  + " | ".join(f"{r['run']} (round {r['round']})" for r in profiled) + " |",
+                  "|---" * (len(profiled) + 1) + "|"]
+        for name, _, _ in PHASES:
+            lines.append(f"| {name} | " + " | ".join(str(r["phases_s"][name]) for r in profiled) + " |")
     if prefill:
         lines += ["", "| prefill_batch | independent CPU ms/chunk | fused CPU ms/chunk | GEMM GFLOP/s at its rows |",
                   "|---|---|---|---|"]

@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ttft_scale.py"
+from tests.scripts import load_script
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_ttft_scale_tiny_on_cpu(tokenizer: PreTrainedTokenizerBase, tmp_path: Path,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = importlib.util.spec_from_file_location("ttft_scale", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "ttft_scale", script)  # NOTE: dataclasses look their module up
-    spec.loader.exec_module(script)
+    script = load_script("ttft_scale", monkeypatch)
     tokenizer_dir = tmp_path / "tokenizer"
     tokenizer.save_pretrained(str(tokenizer_dir))
     out = tmp_path / "out"

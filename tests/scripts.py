@@ -1,0 +1,22 @@
+"""Loading a script of scripts/ as a module, for tests that run its `main` in-process."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """`scripts/<name>.py` as module `name` (registered for the test only: dataclasses look it up)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
