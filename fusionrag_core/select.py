@@ -32,7 +32,7 @@ class SelectConfig:
             The probe pass stops at the deepest one, so shallower probes are cheaper.
         adaptive_mass: `adaptive`'s target: the share of the question's attention mass on chunk
             tokens that the recomputed tokens must cover.
-        adaptive_floor: `adaptive`'s smallest ratio (its largest is `ratio`).
+        adaptive_floor: `adaptive`'s and `two_stage_adaptive`'s smallest ratio (their largest is `ratio`).
         two_stage_share: `two_stage`'s share of the budget spent on stage 1 (the rest after the re-probe).
         adaptive_drop: `two_stage_adaptive`'s attention drop at which it spends all of its budget.
     """
@@ -45,7 +45,7 @@ class SelectConfig:
     adaptive_mass: float = 0.5
     adaptive_floor: float = 0.02
     two_stage_share: float = 0.5
-    adaptive_drop: float = 0.15
+    adaptive_drop: float = 0.2
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:

@@ -74,11 +74,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ratio", type=float, default=0.15)
     p.add_argument("--rounds", type=int, default=8, help="timed rounds per row (after one warm-up round)")
     p.add_argument("--selectors", default="kv_deviation,query_guided,query_guided_early,fusion_aware,"
-                                          "fusion_aware_early")
+                                          "fusion_aware_early",
+                   help="comma-separated selector names, each optionally @ratio (an adaptive mode's ceiling); "
+                        "default ratio: --ratio")
     p.add_argument("--reference", default="kv_deviation")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     selectors = [s for s in args.selectors.split(",") if s]
+    ratios = {s: float(s.split("@")[1]) if "@" in s else args.ratio for s in selectors}
     if args.reference not in selectors:
         raise SystemExit(f"--reference {args.reference} must be one of --selectors")
     engine = FusionEngine.from_pretrained(args.model)
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     select_s: dict[str, list[float]] = {s: [] for s in selectors}
     recompute_s: dict[str, list[float]] = {s: [] for s in selectors}
     paired: dict[str, list[float]] = {s: [] for s in selectors}
+    share: dict[str, list[float]] = {s: [] for s in selectors}  # recomputed / reused chunk tokens (adaptive modes)
     prompt_tokens = []
     for r, row in enumerate(rows):
         passages = row_passages(row, engine, args.max_passage_tokens)
@@ -98,8 +102,10 @@ def main(argv: list[str] | None = None) -> None:
             shift = (k + r) % len(selectors)
             this: dict[str, float] = {}
             for s in selectors[shift:] + selectors[:shift]:
-                this[s] = engine.generate(prompt, caches=caches, selector=s, ratio=args.ratio, sampling=one).ttft_s
-                sel, rec = phases(engine, prompt, caches, s, args.ratio)
+                gen = engine.generate(prompt, caches=caches, selector=s.split("@")[0], ratio=ratios[s], sampling=one)
+                this[s] = gen.ttft_s
+                share[s].append(gen.recomputed_tokens / (gen.recomputed_tokens + gen.reused_tokens))
+                sel, rec = phases(engine, prompt, caches, s.split("@")[0], ratios[s])
                 if k:
                     select_s[s].append(sel)
                     recompute_s[s].append(rec)
@@ -121,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             s: {"ttft_ms": {k: v * 1e3 if k != "n" else v for k, v in quartiles(ttft[s]).items()},
                 "select_ms": statistics.median(select_s[s]) * 1e3,
                 "recompute_ms": statistics.median(recompute_s[s]) * 1e3,
+                "recomputed_share_mean": statistics.mean(share[s]),
                 f"ttft_over_{args.reference}": quartiles(paired[s])}
             for s in selectors
         },
