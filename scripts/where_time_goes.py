@@ -11,6 +11,8 @@ interleaved and repeated (median kept):
 * `ttft`: the engine's own TTFT for the same request (all of the above);
 * `decode`: decoding tokens/s after the first token.
 
+`cpu_*` are the same figures in this process's CPU time (the wall-clock ones include whatever the
+shared machine's other processes took; with one torch thread CPU time does not).
 `recompute_vs_share` is the recompute pass over full attention, divided by the fraction of prompt
 tokens it computes (1.0 = costs exactly its token share). `attention_share` is the fraction of a
 full prefill's causal query-key scores the pass's queries may see: its linear layers cost the
@@ -42,23 +44,30 @@ from fusionrag_core.select import SelectConfig, get_selector
 from fusionrag_core.stitch import stitch
 
 
+def clocks() -> tuple[float, float]:
+    """(wall, this process's CPU) seconds: with one torch thread, CPU time is what a run computes,
+    without the time the shared machine's other processes took the core away."""
+    return time.perf_counter(), time.process_time()
+
+
 def phases(engine: FusionEngine, prompt: Any, caches: dict[str, Any], ratio: float) -> dict[str, float]:
     """One timed run of stitch / probe / recompute (seconds), as `FusionEngine` runs them."""
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
+    t0 = clocks()
     prefix = engine.prefix_cache(prompt.prefix)
     st = stitch(engine.decoder, prompt, prefix, lambda cid, _first: caches.get(cid), extra_capacity=1)
     sync()
-    t1 = time.perf_counter()
+    t1 = clocks()
     cfg = SelectConfig(ratio)
     selected = get_selector("query_guided")(st, cfg.budget(st.num_reused_tokens), cfg)
     sync()
-    t2 = time.perf_counter()
+    t2 = clocks()
     _, recomputed = recompute(st, selected)
     sync()
-    t3 = time.perf_counter()
+    t3 = clocks()
     rows = torch.cat([selected.to(st.forced_slots.device), st.forced_slots, st.question_slots]).double()
-    return {"stitch": t1 - t0, "probe": t2 - t1, "recompute": t3 - t2,
+    return {"stitch": t1[0] - t0[0], "probe": t2[0] - t1[0], "recompute": t3[0] - t2[0],
+            "cpu_stitch": t1[1] - t0[1], "cpu_probe": t2[1] - t1[1], "cpu_recompute": t3[1] - t2[1],
             "recomputed_tokens": recomputed + int(st.question_slots.shape[0]),
             "visible_keys": float((rows + 1).sum())}  # slot == position: row i sees i + 1 keys
 
@@ -70,17 +79,25 @@ def measure_row(engine: FusionEngine, row: Any, max_tokens: int, ratio: float, r
     caches = {f"p{j}": engine.chunk_cache(p) for j, p in enumerate(passages)}
     prompt = engine.prompt(row.question, chunks=list(zip(caches, passages, strict=True)))
     one = SamplingConfig(max_new_tokens=1)
-    runs: dict[str, list[float]] = {k: [] for k in ("full", "stitch", "probe", "recompute", "ttft")}
+    names = ("full", "stitch", "probe", "recompute", "ttft")
+    runs: dict[str, list[float]] = {k: [] for k in names + tuple(f"cpu_{k}" for k in names)}
     recomputed = visible = 0.0
     for i in range(repeats + 1):  # the first round warms up
+        c0 = time.process_time()
         full = engine.full_attention(prompt, sampling=one).collect().ttft_s
+        c1 = time.process_time()
         ph = phases(engine, prompt, caches, ratio)
+        c2 = time.process_time()
         ttft = engine.generate(prompt, caches=caches, selector="query_guided", ratio=ratio, sampling=one).ttft_s
+        c3 = time.process_time()  # NOTE: one new token: the whole call's CPU time is its time to first token
         if i:
             runs["full"].append(full)
             runs["ttft"].append(ttft)
+            runs["cpu_full"].append(c1 - c0)
+            runs["cpu_ttft"].append(c3 - c2)
             for k in ("stitch", "probe", "recompute"):
                 runs[k].append(ph[k])
+                runs[f"cpu_{k}"].append(ph[f"cpu_{k}"])
         recomputed, visible = ph["recomputed_tokens"], ph["visible_keys"]
     gen = engine.generate(prompt, caches=caches, selector="query_guided", ratio=ratio,
                           sampling=SamplingConfig(max_new_tokens=decode_tokens))
@@ -90,7 +107,9 @@ def measure_row(engine: FusionEngine, row: Any, max_tokens: int, ratio: float, r
     T = prompt.num_tokens
     out.update(prompt_tokens=T, recomputed_share=share, attention_share=visible / (T * (T + 1) / 2),
                recompute_vs_share=out["recompute"] / out["full"] / share,
-               speedup=out["full"] / out["ttft"], decode_tok_s=steps / (gen.total_s - gen.ttft_s))
+               speedup=out["full"] / out["ttft"],
+               cpu_recompute_vs_share=out["cpu_recompute"] / out["cpu_full"] / share,
+               cpu_speedup=out["cpu_full"] / out["cpu_ttft"], decode_tok_s=steps / (gen.total_s - gen.ttft_s))
     return out
 
 
