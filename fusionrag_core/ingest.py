@@ -112,10 +112,12 @@ class IngestConfig:
         neighbour_cache_mb: memory for independent caches kept around to fuse with (LRU); the
             rest is read back from the store.
         prefill_batch: most chunks prefilled in one forward pass (packed, each chunk attending
-            only to its own context; equal to one-at-a-time within fp tolerance). 8 measured
-            ~1.2x the chunks/s of 1 on CPU (SmolLM2, 80-token chunks); more on a GPU.
+            only to its own context; equal to one-at-a-time within fp tolerance). On CPU (SmolLM2
+            fp32, 80-token chunks, one thread) 8 measured 1.09x the chunks/min of 1, 4 1.03x, 16
+            1.08x (README, docs/bench/ingest-cpu-3); the gain is meant for GPUs (unmeasured).
         prefill_tokens: most KV slots (chunks + their neighbours + prefix) in one packed pass,
-            which bounds its memory; a chunk whose own context is larger runs alone.
+            which bounds its memory; a chunk whose own context is larger runs alone. A fused
+            chunk takes ~(neighbors + 1) x chunk_tokens: raise it for large batches of big chunks.
     """
 
     chunk_tokens: int = 256
