@@ -101,13 +101,14 @@ def test_two_stage_is_deterministic_and_bounded(engine: FusionEngine, caches: di
         SelectConfig(two_stage_share=0.0)
 
 
-def test_two_stage_shares_nothing_between_threads(engine: FusionEngine, caches: dict[str, object]) -> None:
+@pytest.mark.parametrize("name", ["two_stage", "two_stage_adaptive"])
+def test_two_stage_shares_nothing_between_threads(engine: FusionEngine, caches: dict[str, object], name: str) -> None:
     # one engine, several requests at once: each selection is what it is alone
     budgets = [2, 5, 9, 13]
-    alone = [get_selector("two_stage")(_stitched(engine, caches), b, SelectConfig()) for b in budgets]
+    config = SelectConfig(adaptive_floor=0.05, adaptive_drop=1e-3)
+    alone = [get_selector(name)(_stitched(engine, caches), b, config) for b in budgets]
     with ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(lambda b: get_selector("two_stage")(_stitched(engine, caches), b, SelectConfig()),
-                                 budgets * 2))
+        together = list(pool.map(lambda b: get_selector(name)(_stitched(engine, caches), b, config), budgets * 2))
     for got, want in zip(together, alone * 2, strict=True):
         assert torch.equal(got, want)
 
