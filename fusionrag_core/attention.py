@@ -151,7 +151,8 @@ class Plan:
 
     Attributes:
         kind: "causal" (SDPA's causal fast path), "blocks" (bodies + merged tails) or "dense"
-            (one masked call: keys are not in position order, which no buffer here produces).
+            (one masked call: keys not in position order, which no buffer here produces, or a
+            pass of a few queries over a short buffer: `forward._Pass.plan`).
         rows: rows of the largest block.
         blocks: the query blocks.
         calls: the unmasked calls that together cover every block's body exactly once (see

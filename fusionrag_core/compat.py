@@ -117,6 +117,13 @@ def decoder_parts(model: PreTrainedModel) -> DecoderParts:
             raise UnsupportedModelError(
                 f"{type(model).__name__} attention has no {name} (fused QKV?); not supported yet"
             )
+    mlp = layers[0].mlp
+    for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
+        if not hasattr(mlp, name):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} MLP has no {name} (not a gated MLP: down(act(gate(x)) * up(x))); "
+                "not supported yet"
+            )
     return DecoderParts(
         # NOTE: Gemma's sqrt(hidden) embedding scale is applied inside its embedding module.
         embed_tokens=base.embed_tokens,
@@ -272,3 +279,19 @@ def aligned_bias(bias: torch.Tensor) -> torch.Tensor:
     padded = bias.new_full((*bias.shape[:-1], -(-width // 16) * 16), float("-inf"))
     padded[..., :width] = bias
     return padded[..., :width]
+
+
+# ---- oneDNN linear with a prepacked weight (private ops of torch's mkldnn fusion: their names move) -------
+def packed_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` `[N, K]` reordered into oneDNN's blocked layout for `packed_linear`, or None where
+    this torch cannot (no oneDNN, not a CPU fp32 weight)."""
+    ops = getattr(torch.ops, "mkldnn", None)
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
+            or not hasattr(ops, "_reorder_linear_weight") or not hasattr(ops, "_linear_pointwise")):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for `x` `[M, K]` through oneDNN with `packed_linear_weight(weight)`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
