@@ -35,7 +35,7 @@ import torch
 from fusionrag_core.bench.data import load_rows
 from fusionrag_core.bench.runner import row_passages
 from fusionrag_core.decode import SamplingConfig
-from fusionrag_core.engine import FusionEngine
+from fusionrag_core.engine import EngineConfig, FusionEngine
 from fusionrag_core.recompute import recompute
 from fusionrag_core.select import SelectConfig, get_selector
 from fusionrag_core.stitch import stitch
@@ -79,12 +79,14 @@ def main(argv: list[str] | None = None) -> None:
                         "default ratio: --ratio")
     p.add_argument("--reference", default="kv_deviation")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--mkl-linears", action="store_true",
+                   help="projections on torch's F.linear (MKL), not packed oneDNN weights (EngineConfig)")
     args = p.parse_args(argv)
     selectors = [s for s in args.selectors.split(",") if s]
     ratios = {s: float(s.split("@")[1]) if "@" in s else args.ratio for s in selectors}
     if args.reference not in selectors:
         raise SystemExit(f"--reference {args.reference} must be one of --selectors")
-    engine = FusionEngine.from_pretrained(args.model)
+    engine = FusionEngine.from_pretrained(args.model, config=EngineConfig(packed_linears=not args.mkl_linears))
     one = SamplingConfig(max_new_tokens=1)
     rows = load_rows(args.data, args.skip + args.rows)[args.skip:]
     ttft: dict[str, list[float]] = {s: [] for s in selectors}
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": engine.name,
         "device": str(engine.device),
         "threads": torch.get_num_threads(),
+        "packed_linears": engine.config.packed_linears,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "rows": f"{args.skip}-{args.skip + len(rows) - 1}",
         "ratio": args.ratio,
