@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,9 +25,15 @@ def default_engine() -> Iterator[FusionEngine]:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(request: pytest.FixtureRequest) -> PreTrainedTokenizerBase:
-    """Only the default model's tokenizer (no weights), from a plain-file copy kept in pytest's cache."""
-    return AutoTokenizer.from_pretrained(tokenizer_dir(request.config.cache.mkdir("fusionrag-tokenizer")))
+def tokenizer_path(request: pytest.FixtureRequest) -> Path:
+    """A saved copy of the default model's tokenizer (plain files, no weights) in pytest's cache."""
+    return tokenizer_dir(request.config.cache.mkdir("fusionrag-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_path: Path) -> PreTrainedTokenizerBase:
+    """Only the default model's tokenizer (no weights), from `tokenizer_path`."""
+    return AutoTokenizer.from_pretrained(tokenizer_path)
 
 
 @pytest.fixture(scope="session")

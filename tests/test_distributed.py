@@ -31,7 +31,7 @@ from fusionrag_core.ingest import NEIGHBOURS_KEY, RADIUS_KEY, IngestConfig, Inge
 from fusionrag_core.kv import neighbours_digest
 from fusionrag_core.recognise import content_index_for
 from fusionrag_core.store.base import KVStore
-from tests.ingest_worker import tiny_engine, tiny_engine_at, tokenizer_dir
+from tests.ingest_worker import tiny_engine, tiny_engine_at
 
 # NOTE: not importorskip: importing ray here, before the cluster starts, would put it in cluster
 # mode (servers on every interface); `start_local_cluster` imports it in local-only mode.
@@ -56,8 +56,8 @@ def ray_address() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def tok_path(request: pytest.FixtureRequest) -> str:
-    return str(tokenizer_dir(request.config.cache.mkdir("fusionrag-tokenizer")))
+def tok_path(tokenizer_path: Path) -> str:
+    return str(tokenizer_path)
 
 
 @pytest.fixture(scope="module")

@@ -7,25 +7,22 @@ import json
 from pathlib import Path
 
 import pytest
-from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.data import sample_corpus_dir
 from tests.scripts import load_script
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_ingest_scale_tiny_shape_on_cpu(tokenizer: PreTrainedTokenizerBase, tmp_path: Path,
+def test_ingest_scale_tiny_shape_on_cpu(tokenizer_path: Path, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     script = load_script("ingest_scale", monkeypatch)
-    tokenizer_dir = tmp_path / "tokenizer"
-    tokenizer.save_pretrained(str(tokenizer_dir))
     passages = [{"text": p} for path in sorted(sample_corpus_dir().glob("*.md"))
                 for p in path.read_text().split("\n\n") if len(p) > 200]
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"passages": passages}) + "\n")
     out = tmp_path / "out"
     # NOTE: stage 3 of gpu_bench.sh but for the device, the shape and the sizes.
-    script.main(["--shape", "tiny", "--tokenizer", str(tokenizer_dir), "--device", "cpu", "--dtype", "float32",
+    script.main(["--shape", "tiny", "--tokenizer", str(tokenizer_path), "--device", "cpu", "--dtype", "float32",
                  "--threads", "0", "--chunk-tokens", "48", "--chunks", "12", "--neighbors", "3", "--batches", "1,4",
                  "--prefill-tokens", "4096", "--data", str(data), "--profile", "--out", str(out)])
     doc = json.loads((out / "ingest_scale.json").read_text())

@@ -6,19 +6,16 @@ import json
 from pathlib import Path
 
 import pytest
-from transformers import PreTrainedTokenizerBase
 
 from tests.scripts import load_script
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_ttft_scale_tiny_on_cpu(tokenizer: PreTrainedTokenizerBase, tmp_path: Path,
+def test_ttft_scale_tiny_on_cpu(tokenizer_path: Path, tmp_path: Path,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     script = load_script("ttft_scale", monkeypatch)
-    tokenizer_dir = tmp_path / "tokenizer"
-    tokenizer.save_pretrained(str(tokenizer_dir))
     out = tmp_path / "out"
-    script.main(["--tokenizer", str(tokenizer_dir), "--out", str(out), "--shapes", "tiny", "--tokens", "256,512",
+    script.main(["--tokenizer", str(tokenizer_path), "--out", str(out), "--shapes", "tiny", "--tokens", "256,512",
                  "--chunk-tokens", "128", "--repeats", "1", "--device", "cpu"])
     doc = json.loads((out / "ttft_scale.json").read_text())
     check, *timed = doc["results"]
