@@ -15,6 +15,8 @@ separate ones bit for bit (`tests/test_linear.py`).
 Single-row products (a decode step) stay on MKL, which is as fast or faster there. The packed
 copy doubles the decoder layers' projection weights in memory (SmolLM2-135M: +0.43 GB), so it is
 an engine option (`EngineConfig.packed_linears`); GPUs and non-fp32 weights use `F.linear`.
+The copy is taken when the `Decoder` is built: weights changed in place afterwards (an adapter
+merged into the model) do not reach it, so build the engine after such changes.
 Results equal `F.linear`'s up to float rounding (another blocking of the same sums).
 """
 
