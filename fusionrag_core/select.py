@@ -257,6 +257,11 @@ def _second_stage(st: Stitched, depths: tuple[float, ...], first: torch.Tensor, 
     if more <= 0:
         return first
     slots, scores = _ranked_inexact(st, depths, fresh=first)
+    return _with_best_others(first, slots, scores, more)
+
+
+def _with_best_others(first: torch.Tensor, slots: torch.Tensor, scores: torch.Tensor, more: int) -> torch.Tensor:
+    """`first` and the `more` best-scored `slots` not in it, sorted."""
     rest = ~torch.isin(slots, first)
     return torch.sort(torch.cat([first, _top(slots[rest], scores[rest], more)])).values
 
@@ -327,8 +332,7 @@ def select_two_stage_adaptive(st: Stitched, budget: int, config: SelectConfig) -
     slots, after = _ranked_inexact(st, depths, fresh=first)
     drop = attention_drop(before, after, slots, first)
     more = round(more * min(1.0, max(0.0, drop) / config.adaptive_drop))
-    rest = ~torch.isin(slots, first)
-    return torch.sort(torch.cat([first, _top(slots[rest], after[rest], more)])).values
+    return _with_best_others(first, slots, after, more)
 
 
 def select_kv_deviation(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
