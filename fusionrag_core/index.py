@@ -32,7 +32,7 @@ from fusionrag_core.lock import writing
 from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_dir, kv_dir
 from fusionrag_core.prompt import FusionPrompt
 from fusionrag_core.store import DiskKVStore, KVStore, StorageDType, open_store
-from fusionrag_core.store.tiered import TierConfig, TieredKVStore
+from fusionrag_core.store.tiered import TierConfig
 from fusionrag_core.vectordb import RetrievedChunk
 
 if TYPE_CHECKING:
@@ -168,8 +168,7 @@ class FusionIndex:
                                      self.ingestor.embedding_function, ray) as ingestor:
                         return ingestor.add(texts, metadatas, doc_ids, progress=progress, space_check=space_check)
                 finally:
-                    if isinstance(self.store, TieredKVStore):
-                        self.store.clear()  # NOTE: the workers wrote around this driver's tiers
+                    self.store.drop_copies()  # NOTE: the workers wrote to the backend, around any tiers
             except InsufficientSpaceError:
                 lock.end()  # NOTE: refused before its first write: there is nothing to resume.
                 raise

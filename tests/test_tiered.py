@@ -44,6 +44,16 @@ def test_hits_promote_and_lru_evicts_by_bytes(tmp_path: Path) -> None:
     torch.testing.assert_close(store.get("c1", "independent", fingerprint=FP).keys, make_kv(5, seed=1).keys)
 
 
+def test_drop_copies_empties_the_tiers_and_keeps_the_blobs(tmp_path: Path) -> None:
+    store = _tiered(tmp_path, device_entries=4, host_entries=4)
+    assert [_tier(store, "c0") for _ in range(2)] == ["store", "device"]
+    store.inner.put("c0", newer := make_kv(n_tokens=5, seed=9))  # NOTE: a write around the tiers (Ray workers')
+    store.drop_copies()
+    assert store.stats()["device_used_bytes"] == store.stats()["host_used_bytes"] == 0
+    kv, tier = store.get_tiered("c0", "independent", fingerprint=FP)
+    assert tier == "store" and torch.equal(kv.keys, newer.keys)
+
+
 def test_tiers_off_and_oversized_entries_bypass(tmp_path: Path) -> None:
     store = _tiered(tmp_path, device_entries=0, host_entries=0.5)
     assert [_tier(store, "c0") for _ in range(3)] == ["store"] * 3

@@ -449,6 +449,12 @@ class KVStore(ABC):
         writer locks, content indexes and Ray workers must go."""
         return self
 
+    def drop_copies(self) -> None:
+        """Forget any in-process copies of blobs this object keeps (none here; a cache-tier wrapper's
+        tiers), never a blob: after writes that went around this object (Ray workers write to the
+        `backend` directly), so no stale copy is served."""
+        return None  # NOTE: a blob store itself keeps no copies
+
     @abstractmethod
     def put(self, chunk_id: str, kv: ChunkKV) -> None:
         """Store `kv` under `(chunk_id, kv.variant)`, atomically replacing any previous entry.

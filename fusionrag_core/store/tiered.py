@@ -184,7 +184,7 @@ class TieredKVStore(KVStore):
     def backend(self) -> KVStore:
         return self.inner.backend
 
-    def clear(self) -> None:
+    def drop_copies(self) -> None:
         """Drop every tiered copy (after writes that bypassed this wrapper, e.g. Ray workers')."""
         with self._lock:
             self._device = _LRU(self._device.budget)
@@ -224,7 +224,7 @@ class TieredKVStore(KVStore):
         return self.inner.list_ids(variant)
 
     def close(self) -> None:
-        self.clear()
+        self.drop_copies()
         self.inner.close()
 
     def __repr__(self) -> str:
