@@ -11,7 +11,9 @@ and every Ray worker, so a chunk's caches are the same whichever path computed t
   neighbour's fused cache is its independent one; one that would not fit the model's context
   window is refused (`check_fusion_fits` up front, `CacheBuilder.fused` exactly). Every fused
   cache records the digest of its neighbour ids (`ChunkKV.fused_after`), whichever process built
-  it, so `verify` and a resumed ingest can tell a cache built on other neighbours.
+  it, so `verify` and a resumed ingest can tell a cache built on other neighbours; and its fusion
+  drift from the chunk's independent cache (`ChunkKV.drift`, `drift.fusion_drift`), which
+  `select.select_drift_aware` weighs the question's attention by.
 
 Chunks are packed into passes of at most `prefill_batch` chunks and `prefill_tokens` buffer slots
 (`prefill.prefill_chunks`); the results equal one-at-a-time prefills within fp tolerance.
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from fusionrag_core.drift import fusion_drift
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import (
     CacheCorruptError,
@@ -191,7 +194,9 @@ class CacheBuilder:
 
     def fused(self, items: Sequence[FusionItem]) -> list[ChunkKV]:
         """The fused caches of `items`, in order (not stored: the caller decides when), each with the
-        digest of its neighbour ids, nearest first (`fused_after`).
+        digest of its neighbour ids, nearest first (`fused_after`), and its drift from the chunk's
+        independent cache (`drift`; None for a chunk without neighbours, whose fused cache is its
+        independent one and says nothing about how its tokens depend on context).
 
         Raises:
             InvalidRequestError: a neighbour has no usable independent cache and no text.
@@ -211,7 +216,9 @@ class CacheBuilder:
             neighbours = [[self._neighbour(n) for n in ordered[i]] for i in chosen]
             for i, kvs in zip(chosen, neighbours, strict=True):
                 self._check_fits(items[i][0], ids[i], kvs)
-            out.update(zip(chosen, self._prefill([ids[i] for i in chosen], neighbours), strict=True))
+            for i, kv in zip(chosen, self._prefill([ids[i] for i in chosen], neighbours), strict=True):
+                alone = self._own_independent(items[i][0], items[i][1])
+                out[i] = replace(kv, drift=fusion_drift(kv, alone, self.engine.decoder.rope))
         return [replace(out[i], fused_after=neighbours_digest([nid for nid, _ in item[2]]))
                 for i, item in enumerate(items)]
 
@@ -253,6 +260,15 @@ class CacheBuilder:
     def _prefill(self, token_ids: Sequence[torch.Tensor], neighbours: Sequence[Sequence[ChunkKV]]) -> list[ChunkKV]:
         self.prefills += len(token_ids)
         return self.engine.chunk_caches(token_ids, neighbours)
+
+    def _own_independent(self, chunk_id: str, text: str) -> ChunkKV:
+        """The chunk's own independent cache, recomputed from `text` when it is unusable."""
+        try:
+            return self.caches.get(chunk_id)
+        except (CacheNotFoundError, CacheCorruptError, CacheMismatchError) as e:
+            log.warning("recomputing the independent cache of chunk %s: %s", chunk_id, e)
+            self.independent([(chunk_id, text)])
+            return self.caches.get(chunk_id)
 
     def _neighbour(self, chunk_id: str) -> ChunkKV:
         try:

@@ -128,6 +128,9 @@ class Generation:
             "content", "document", "mark_then_content", "mark_then_document").
         cache_variants: reused chunks per cache variant; a missing fused cache falls back to the
             independent one, and this is where that shows.
+        chunks_without_drift: reused chunks whose cache carries no fusion drift (independent
+            caches, learned ones, blobs written before drift was stored); the `drift_*` selectors
+            score their tokens with the prompt's mean drift.
         kv_tiers: this request's chunk loads from a store, per tier: `{device,host,store}_hits`
             and `_bytes` (the device and host tiers are a `TieredKVStore`'s; "store" is the backend).
         audit: the request's quality audit against full attention (see EngineConfig.audit_rate),
@@ -149,6 +152,7 @@ class Generation:
     cache_misses: dict[str, str] = field(default_factory=dict)
     found_by: dict[str, str] = field(default_factory=dict)
     cache_variants: dict[str, int] = field(default_factory=dict)
+    chunks_without_drift: int = 0
     kv_tiers: dict[str, int] = field(default_factory=dict)
     prefilled_tokens: int = 0
     context_tokens: int = 0
@@ -184,6 +188,7 @@ class Generation:
             "cache_misses": len(self.cache_misses),
             "fused_chunks": self.cache_variants.get("fused", 0),
             "independent_chunks": self.cache_variants.get("independent", 0),
+            "chunks_without_drift": self.chunks_without_drift,
             **{f"kv_{k}": v for k, v in self.kv_tiers.items()},
             "audit_kl_first_token": self.audit.kl_first_token if self.audit else None,
             "audit_first_token_agree": self.audit.first_token_agree if self.audit else None,
@@ -629,6 +634,7 @@ class FusionEngine:
             cache_misses=dict(st.misses),
             found_by={s.chunk_id: s.found_by for s in prompt.segments if s.chunk_id and s.found_by},
             cache_variants=dict(st.variants),
+            chunks_without_drift=st.chunks_without_drift,
             kv_tiers=tiers.as_dict() if tiers is not None else {},
             prefilled_tokens=prepared.prefilled_tokens,
             context_tokens=context,

@@ -39,6 +39,9 @@ class ChunkKV:
         fused_after: for a fused cache, a digest of the neighbour ids it was prefilled after
             (`neighbours_digest`), recorded so verify can tell a cache built on another neighbour
             list than the one the collection records; "" when unknown.
+        drift: for a fused cache, `[T]` fp32 >= 0, how far fusion moved each token's K/V from its
+            independent cache (`drift.fusion_drift`): what a selector reads as how much the token
+            depends on its context; None when unknown (independent caches, older blobs).
 
     NOTE: keys and values share dtype and device; positions are strictly increasing.
     """
@@ -50,6 +53,7 @@ class ChunkKV:
     fingerprint: str
     variant: Variant
     fused_after: str = ""
+    drift: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -87,6 +91,10 @@ class ChunkKV:
                 f"cache holds {self.keys.shape[2]} key slots and {tuple(self.positions.shape)} positions "
                 f"for {t.shape[0]} tokens; the blob is inconsistent, recompute it"
             )
+        d = self.drift
+        if d is not None and (d.dtype != torch.float32 or d.shape != t.shape):
+            raise CacheMismatchError(f"drift must be a float32 [T] tensor for {t.shape[0]} tokens, got "
+                                     f"{d.dtype} {tuple(d.shape)}; the blob is inconsistent, recompute it")
         if self.variant not in VARIANTS:
             raise CacheMismatchError(f"unknown cache variant {self.variant!r}; expected one of {VARIANTS}")
         if fingerprint is not None and fingerprint != self.fingerprint:
@@ -107,7 +115,7 @@ class ChunkKV:
         if n == self.num_tokens:
             return self
         return ChunkKV(self.token_ids[:n], self.keys[:, :, :n], self.values[:, :, :n], self.positions[:n],
-                       self.fingerprint, self.variant)
+                       self.fingerprint, self.variant, drift=None if self.drift is None else self.drift[:n])
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ChunkKV:
         """A copy on `device` (and `dtype` for keys/values)."""
@@ -119,6 +127,7 @@ class ChunkKV:
             fingerprint=self.fingerprint,
             variant=self.variant,
             fused_after=self.fused_after,
+            drift=None if self.drift is None else self.drift.to(device),
         )
 
 

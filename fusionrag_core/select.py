@@ -35,6 +35,8 @@ class SelectConfig:
         adaptive_floor: `adaptive`'s and `two_stage_adaptive`'s smallest ratio (their largest is `ratio`).
         two_stage_share: `two_stage`'s share of the budget spent on stage 1 (the rest after the re-probe).
         adaptive_drop: `two_stage_adaptive`'s attention drop at which it spends all of its budget.
+        drift_mass: `drift_adaptive`'s target: the share of the drift-weighted attention on
+            inexact chunk tokens that the recomputed tokens must cover.
     """
 
     ratio: float = 0.15
@@ -46,6 +48,7 @@ class SelectConfig:
     adaptive_floor: float = 0.02
     two_stage_share: float = 0.5
     adaptive_drop: float = 0.2
+    drift_mass: float = 0.7
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -61,6 +64,8 @@ class SelectConfig:
             raise InvalidRequestError(f"adaptive_floor must be in [0, 1], got {self.adaptive_floor}")
         if not 0.0 < self.two_stage_share <= 1.0:
             raise InvalidRequestError(f"two_stage_share must be in (0, 1], got {self.two_stage_share}")
+        if not 0.0 < self.drift_mass <= 1.0:
+            raise InvalidRequestError(f"drift_mass must be in (0, 1], got {self.drift_mass}")
         if not self.adaptive_drop > 0.0:
             raise InvalidRequestError(f"adaptive_drop must be > 0, got {self.adaptive_drop}")
 
@@ -228,6 +233,58 @@ def select_fusion_aware_early(st: Stitched, budget: int, config: SelectConfig) -
     return _query_guided(st, budget, config, (0.75,), skip_exact=True)
 
 
+def drift_weighted_attention(st: Stitched, depths: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inexact reusable slots `[R']` and their score: the question's attention (see
+    `question_attention`) times the token's fusion drift (`Stitched.drift`, `fusionrag_core.drift`).
+
+    Attention says where the question reads; drift says how much that token's cached K/V depends on
+    what came before it, so how wrong it can be in this prompt. A token the question reads hard but
+    whose K/V fusion did not move gains little from recompute; one that moved a lot and is read is
+    where the cache misleads the question most.
+    """
+    slots, attention = _inexact(st, st.reusable_slots, question_attention(st, depths))
+    keep = torch.isin(st.reusable_slots, slots)
+    return slots, attention * st.drift()[keep]
+
+
+def select_drift_aware(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
+    """`fusion_aware_early` (3/4-depth probe, or `probe_depths`; exact tokens skipped) with the
+    question's attention weighted by each token's fusion drift (`drift_weighted_attention`).
+
+    A chunk cache without drift (independent, learned, or written before drift was stored) counts
+    as the prompt's mean drift (`Generation.chunks_without_drift` says how many); with none at all
+    this is `fusion_aware_early`.
+    """
+    if budget <= 0 or st.reusable_slots.numel() == 0:
+        return st.reusable_slots[:0]
+    slots, scores = drift_weighted_attention(st, config.probe_depths or (0.75,))
+    return _top(slots, scores, budget)
+
+
+def select_drift_adaptive(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
+    """Adaptive ratio over `drift_aware`'s scores: the fewest top tokens covering `drift_mass` of
+    their total (attention times drift: the staleness the question reads), at least
+    `adaptive_floor` and at most `budget` (= `ratio`) of the reusable tokens.
+
+    A prompt whose stale, read tokens are few is served with few recomputed; one whose question
+    reads many context-sensitive tokens gets up to the ceiling.
+    """
+    if budget <= 0 or st.reusable_slots.numel() == 0:
+        return st.reusable_slots[:0]
+    slots, scores = drift_weighted_attention(st, config.probe_depths or (0.75,))
+    return _top(slots, scores, _covering(scores, config.drift_mass, st.num_reused_tokens, budget, config))
+
+
+def _covering(scores: torch.Tensor, mass: float, reusable: int, budget: int, config: SelectConfig) -> int:
+    """How many of the top `scores` cover `mass` of their sum, clamped to [floor, budget]."""
+    floor = min(budget, math.ceil(config.adaptive_floor * reusable))
+    if scores.numel() == 0 or float(scores.sum()) <= 0.0:
+        return floor
+    covered = torch.cumsum(torch.sort(scores.float(), descending=True).values, dim=0)  # [R']
+    need = int(torch.searchsorted(covered, covered[-1:] * mass)[0]) + 1
+    return max(floor, min(need, budget))
+
+
 def select_adaptive(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
     """Adaptive ratio: the fewest top tokens covering `config.adaptive_mass` of the question's
     (last-layer, or `probe_depths`) attention on chunk tokens, at least `adaptive_floor` of them
@@ -361,6 +418,8 @@ SELECTORS: dict[str, Selector] = {
     "two_stage": select_two_stage,
     "two_stage_adaptive": select_two_stage_adaptive,
     "adaptive": select_adaptive,
+    "drift_aware": select_drift_aware,
+    "drift_adaptive": select_drift_adaptive,
     "kv_deviation": select_kv_deviation,
     "first_k": select_first_k,
     "random": select_random,

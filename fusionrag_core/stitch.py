@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fusionrag_core.drift import prompt_drift
 from fusionrag_core.forward import Decoder
 from fusionrag_core.kv import ChunkKV, KVBuffer
 from fusionrag_core.prompt import FusionPrompt
@@ -76,6 +77,8 @@ class Stitched:
         exact_slots: `[E]` reused slots whose cached K/V are what full attention computes there
             (the first chunk's independent cache right after the prefix it was computed after):
             recomputing them changes nothing, so a selector can spend its budget elsewhere.
+        chunk_drift: per reused chunk (aligned with `chunk_slots`), its cache's fusion drift `[T_c]`
+            (`ChunkKV.drift`) or None when the cache carries none.
     """
 
     decoder: Decoder
@@ -89,6 +92,7 @@ class Stitched:
     variants: dict[str, int] = field(default_factory=dict)
     missed: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     exact_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    chunk_drift: list[torch.Tensor | None] = field(default_factory=list)
 
     @property
     def reusable_slots(self) -> torch.Tensor:
@@ -103,6 +107,17 @@ class Stitched:
     @property
     def question_ids(self) -> torch.Tensor:
         return self.slot_tokens[self.question_slots]
+
+    @property
+    def chunks_without_drift(self) -> int:
+        """Reused chunks whose cache carries no fusion drift (see `drift.prompt_drift`)."""
+        return sum(d is None for d in self.chunk_drift)
+
+    def drift(self) -> torch.Tensor:
+        """`[R]` fp32 fusion drift of every reusable slot, aligned with `reusable_slots`
+        (a chunk without drift gets the mean of the others: `drift.prompt_drift`)."""
+        values, _ = prompt_drift(self.chunk_drift, [int(s.shape[0]) for s in self.chunk_slots])
+        return values.to(self.reusable_slots.device)
 
 
 def append_shifted(decoder: Decoder, buf: KVBuffer, kv: ChunkKV, *, start_position: int | None = None) -> torch.Tensor:
@@ -145,6 +160,7 @@ def stitch(
     if prefix is not None:
         buf.put(prefix, prefix.keys, 0)
     chunk_slots: list[torch.Tensor] = []
+    drifts: list[torch.Tensor | None] = []
     forced: list[torch.Tensor] = []
     loaded = 0
     misses: dict[str, str] = {}
@@ -168,6 +184,7 @@ def stitch(
             continue
         kv = kv.head(reused)
         chunk_slots.append(append_shifted(decoder, buf, kv))
+        drifts.append(kv.drift)
         if exact_prefix and i == 0 and kv.variant == "independent" and int(kv.positions[0]) == start:
             exact = chunk_slots[-1]
         if reused < seg.num_tokens:  # e.g. a separator the cache was computed without
@@ -178,7 +195,7 @@ def stitch(
     question_slots = buf.reserve(torch.arange(buf.length, buf.length + q_len, device=device), valid=False)
     forced_slots = torch.cat(forced) if forced else torch.empty(0, dtype=torch.int64, device=device)
     return Stitched(decoder, buf, slot_tokens, chunk_slots, forced_slots, question_slots, loaded, misses, variants,
-                    missed, exact)
+                    missed, exact, drifts)
 
 
 def _shared_head(cached: torch.Tensor, prompt: torch.Tensor) -> int:

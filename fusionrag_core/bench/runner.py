@@ -100,6 +100,8 @@ METHODS: dict[str, Method] = {
         Method("fusionrag_aware_early", "fusion_aware_early", "fused", True),
         Method("fusionrag_two_stage", "two_stage", "fused", True),
         Method("fusionrag_two_stage_adaptive", "two_stage_adaptive", "fused", True),
+        Method("fusionrag_drift", "drift_aware", "fused", True),
+        Method("fusionrag_drift_adaptive", "drift_adaptive", "fused", True),
     )
 }
 """Every method the runner knows, by name."""

@@ -4,7 +4,10 @@ A stored chunk cache is one safetensors blob per `(chunk_id, variant)`:
 
 * tensors `token_ids` `[T]` int64, `keys` `[L, H, T, D]`, `values` `[L, H, T, D]` (both in the
   store's storage dtype) and `positions` `[T]` int64; 8-bit storage dtypes ("int8",
-  "float8_e4m3fn") add `key_scales` and `value_scales` `[L, H, 1, D]` fp32 (`store/quant.py`);
+  "float8_e4m3fn") add `key_scales` and `value_scales` `[L, H, 1, D]` fp32 (`store/quant.py`); a
+  fused cache with its fusion drift adds `drift` `[T]` fp32 (`fusionrag_core.drift`), and only such
+  a blob is format version 2 (a version-1 reader refuses it as a newer format instead of
+  quarantining it as corrupt; every other blob stays version 1, byte for byte);
 * a string→string metadata header with the format name and version, the chunk id, the model
   fingerprint, the variant, the token-ids hash, the shape, the storage and source dtypes and a
   checksum over the header and the tensor bytes (`xxh3_128:<hex>`; blobs written with
@@ -40,7 +43,10 @@ StorageDType = Literal["float32", "float16", "bfloat16", "int8", "float8_e4m3fn"
 STORAGE_DTYPES: tuple[StorageDType, ...] = get_args(StorageDType)
 
 FORMAT_NAME = "fusionrag-kv"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+# NOTE: the versions this code reads; version 1 is version 2 without the optional `drift` tensor.
+READ_VERSIONS = ("1", "2")
+_NO_DRIFT_VERSION = "1"
 # NOTE: the checksum detects bit rot and truncation, not tampering (anyone who can write a blob can
 # write its checksum), so it need not be cryptographic; xxh3 hashes ~10x faster than sha256, which
 # matters because every load verifies every byte before a single token is generated.
@@ -114,8 +120,9 @@ def storage_torch_dtype(storage_dtype: str) -> torch.dtype:
         ) from None
 
 
-def _tensor_names(storage_dtype: str) -> tuple[str, ...]:
-    return _TENSOR_NAMES + _SCALE_NAMES if storage_dtype in QUANTIZED else _TENSOR_NAMES
+def _tensor_names(storage_dtype: str, version: str = _NO_DRIFT_VERSION) -> tuple[str, ...]:
+    names = _TENSOR_NAMES + _SCALE_NAMES if storage_dtype in QUANTIZED else _TENSOR_NAMES
+    return names if version == _NO_DRIFT_VERSION else (*names, "drift")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -132,7 +139,7 @@ def _checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str], algo: 
     h = _HASHERS[algo]()
     fields = {k: v for k, v in metadata.items() if k != "checksum"}
     h.update(json.dumps(fields, sort_keys=True).encode())
-    for name in _tensor_names(metadata.get("storage_dtype", "")):
+    for name in _tensor_names(metadata.get("storage_dtype", ""), metadata.get("format_version", "")):
         t = tensors[name].contiguous()
         h.update(f"|{name}|{_dtype_name(t.dtype)}|{list(t.shape)}|".encode())
         # NOTE: viewing as uint8 works for every dtype (bfloat16 has no numpy equivalent) and hands
@@ -198,10 +205,12 @@ def encode_blob(chunk_id: str, kv: ChunkKV, storage_dtype: StorageDType) -> byte
         "positions": kv.positions.detach().to("cpu", torch.int64).contiguous(),  # [T]
         **scales,  # [L, H, 1, D] fp32 each, 8-bit formats only
     }
+    if kv.drift is not None:
+        tensors["drift"] = kv.drift.detach().to("cpu", torch.float32).contiguous()  # [T]
     L, H, T, D = keys.shape
     metadata = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if kv.drift is not None else _NO_DRIFT_VERSION,
         "chunk_id": chunk_id,
         "fingerprint": kv.fingerprint,
         "variant": kv.variant,
@@ -331,10 +340,10 @@ def _check_format(meta: dict[str, str], source: str) -> None:
     if not (version.isascii() and version.isdigit()):
         raise _corrupt(source, f"bad format version {version!r}")
     # NOTE: checked before the checksum, whose scheme a future version may change.
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise CacheMismatchError(
             f"KV cache {source} has format version {meta.get('format_version')!r}, this fusionrag reads "
-            f"version {FORMAT_VERSION}; re-ingest with this version (or upgrade fusionrag)"
+            f"versions {', '.join(READ_VERSIONS)}; re-ingest with this version (or upgrade fusionrag)"
         )
 
 
@@ -351,7 +360,7 @@ def _validated(
     dtype: torch.dtype | None,
 ) -> ChunkKV:
     """The cache in a parsed blob, after every check `decode_blob` documents."""
-    names = _tensor_names(meta.get("storage_dtype", ""))
+    names = _tensor_names(meta.get("storage_dtype", ""), meta.get("format_version", ""))
     if set(tensors) != set(names):
         raise _corrupt(source, f"expected tensors {sorted(names)}, found {sorted(tensors)}")
     # NOTE: checksum first: past this point every field is what the writer wrote, so the checks
@@ -389,6 +398,10 @@ def _validated(
         raise _corrupt(source, "token_ids/positions are not int64")
     if hash_token_ids(tensors["token_ids"]) != meta.get("token_ids_hash"):
         raise _corrupt(source, "token-ids hash mismatch")
+    drift = tensors.get("drift")  # [T]
+    if drift is not None and (drift.dtype != torch.float32 or drift.shape != tensors["token_ids"].shape
+                              or not bool(torch.isfinite(drift).all()) or bool((drift < 0).any())):
+        raise _corrupt(source, f"drift must be finite non-negative float32 [T], got {drift.dtype} {list(drift.shape)}")
     target = dtype or source_dtype
     if storage_name in QUANTIZED:
         L, H, _, D = keys.shape
@@ -410,6 +423,7 @@ def _validated(
             fingerprint=meta.get("fingerprint", ""),
             variant=variant,
             fused_after=meta.get("fused_after", ""),
+            drift=drift,
         )
     except CacheMismatchError as e:
         # NOTE: the checksum matched, so an inconsistent cache was written that way: still unusable.

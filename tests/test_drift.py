@@ -1,0 +1,246 @@
+"""Fusion drift: computed at ingest from the two caches of a chunk, stored in its fused blob
+(validated like the rest), carried through stitching, and weighed into the `drift_*` selectors.
+Tiny random Llama and Gemma 3 models, SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from transformers import PreTrainedTokenizerBase
+
+from fusionrag_core.decode import SamplingConfig
+from fusionrag_core.drift import fusion_drift, prompt_drift
+from fusionrag_core.engine import FusionEngine
+from fusionrag_core.errors import CacheCorruptError, CacheMismatchError, InvalidRequestError
+from fusionrag_core.index import FusionIndex
+from fusionrag_core.ingest import IngestConfig
+from fusionrag_core.kv import ChunkKV
+from fusionrag_core.rope import shift_keys
+from fusionrag_core.select import SelectConfig, _inexact, get_selector, question_attention
+from fusionrag_core.stitch import Stitched, stitch
+from fusionrag_core.store import decode_blob, encode_blob
+from tests.test_engine import ARCHS, CHUNKS, prompt_for
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def engine(request: pytest.FixtureRequest, smollm_tokenizer: PreTrainedTokenizerBase) -> FusionEngine:
+    torch.manual_seed(0)
+    return FusionEngine(ARCHS[request.param]().eval(), smollm_tokenizer, name=request.param)
+
+
+def _fused(engine: FusionEngine, i: int) -> ChunkKV:
+    """Chunk `i` fused after the other chunks, with its drift from its independent cache."""
+    others = [engine.chunk_cache(c) for j, c in enumerate(CHUNKS) if j != i]
+    kv = replace(engine.chunk_cache(CHUNKS[i], others), variant="fused")
+    return replace(kv, drift=fusion_drift(kv, engine.chunk_cache(CHUNKS[i]), engine.decoder.rope))
+
+
+# ---- the drift itself ---------------------------------------------------------------------------------
+
+def test_drift_is_zero_for_the_same_cache_at_other_positions(engine: FusionEngine) -> None:
+    # RoPE must cancel: the independent cache re-rotated to far-away positions has not drifted
+    alone = engine.chunk_cache(CHUNKS[0])
+    delta = torch.tensor(37)
+    moved = ChunkKV(alone.token_ids, shift_keys(alone.keys, delta, engine.decoder.rope), alone.values,
+                    alone.positions + 37, alone.fingerprint, "fused")
+    drift = fusion_drift(moved, alone, engine.decoder.rope)
+    assert drift.shape == (alone.num_tokens,) and drift.dtype == torch.float32
+    assert float(drift.abs().max()) < 1e-8
+
+
+def test_drift_is_the_relative_kv_distance_per_layer_and_token(engine: FusionEngine) -> None:
+    alone = engine.chunk_cache(CHUNKS[1])
+    values = alone.values.clone()
+    values[0, :, 2] *= 3.0  # token 2's values at layer 0 become 3x: |3v - v|^2 / |3v|^2 = 4/9 there
+    changed = replace(alone, values=values, variant="fused")
+    drift = fusion_drift(changed, alone, engine.decoder.rope)
+    expected = torch.zeros(alone.num_tokens)
+    expected[2] = (4 / 9) / engine.decoder.num_layers
+    torch.testing.assert_close(drift, expected)
+
+
+def test_fused_tokens_drift_and_the_drift_is_what_the_prompt_changes(engine: FusionEngine) -> None:
+    kv = _fused(engine, 2)
+    assert kv.drift is not None and bool((kv.drift > 0).all()), "fusion changes every token's K/V"
+
+
+def test_drift_of_two_different_chunks_is_refused(engine: FusionEngine) -> None:
+    a, b = engine.chunk_cache(CHUNKS[0]), engine.chunk_cache(CHUNKS[1])
+    with pytest.raises(CacheMismatchError, match="two caches of one chunk"):
+        fusion_drift(a, b, engine.decoder.rope)
+
+
+def test_a_chunk_without_drift_counts_as_the_prompt_mean() -> None:
+    values, missing = prompt_drift([torch.tensor([1.0, 3.0]), None, torch.tensor([2.0])], [2, 3, 1])
+    torch.testing.assert_close(values, torch.tensor([1.0, 3.0, 2.0, 2.0, 2.0, 2.0]))
+    assert missing == 1
+    values, missing = prompt_drift([None, None], [1, 2])
+    torch.testing.assert_close(values, torch.ones(3))
+    assert missing == 2
+
+
+def test_chunkkv_refuses_a_drift_of_another_length(engine: FusionEngine) -> None:
+    kv = engine.chunk_cache(CHUNKS[0])
+    with pytest.raises(CacheMismatchError, match="drift must be a float32"):
+        replace(kv, drift=torch.zeros(kv.num_tokens + 1))
+    with pytest.raises(CacheMismatchError, match="drift must be a float32"):
+        replace(kv, drift=torch.zeros(kv.num_tokens, dtype=torch.float16))
+    head = replace(kv, drift=torch.arange(kv.num_tokens, dtype=torch.float32)).head(3)
+    assert head.drift is not None and head.drift.tolist() == [0.0, 1.0, 2.0]
+
+
+# ---- the blob -------------------------------------------------------------------------------------------
+
+def _decode(blob: bytes, kv: ChunkKV) -> ChunkKV:
+    return decode_blob(blob, source="test", chunk_id="c1", variant=kv.variant, fingerprint=kv.fingerprint)
+
+
+def test_drift_round_trips_and_only_blobs_with_drift_are_version_2(engine: FusionEngine) -> None:
+    kv = _fused(engine, 0)
+    blob = encode_blob("c1", kv, "float16")
+    assert st_load(blob)["drift"].dtype == torch.float32
+    back = _decode(blob, kv)
+    assert back.drift is not None and torch.equal(back.drift, kv.drift)
+    without = replace(kv, drift=None)
+    plain = encode_blob("c1", without, "float16")
+    assert b'"format_version":"1"' in plain and b'"format_version":"2"' in blob
+    assert "drift" not in st_load(plain) and _decode(plain, without).drift is None
+
+
+def test_tampered_missing_or_negative_drift_is_corrupt(engine: FusionEngine) -> None:
+    kv = _fused(engine, 0)
+    assert kv.drift is not None
+    blob = bytearray(encode_blob("c1", kv, "float32"))
+    at = blob.rfind(kv.drift.numpy().tobytes())  # the drift tensor's bytes
+    assert at > 0
+    blob[at] ^= 0x01
+    with pytest.raises(CacheCorruptError, match="checksum"):
+        _decode(bytes(blob), kv)
+    # a version-2 header whose drift tensor was dropped: the tensor set is wrong
+    full = encode_blob("c1", kv, "float32")
+    tensors = {k: v for k, v in st_load(full).items() if k != "drift"}
+    with pytest.raises(CacheCorruptError, match="expected tensors"):
+        _decode(st_save(tensors, metadata=_header(full)), kv)
+    negative = replace(kv, drift=-kv.drift - 1.0)
+    with pytest.raises(CacheCorruptError, match="drift must be finite non-negative"):
+        _decode(encode_blob("c1", negative, "float32"), negative)
+
+
+def _header(blob: bytes) -> dict[str, str]:
+    (n,) = struct.unpack("<Q", blob[:8])
+    return dict(json.loads(blob[8 : 8 + n])["__metadata__"])
+
+
+def test_an_unknown_newer_version_is_a_mismatch_not_corruption(engine: FusionEngine) -> None:
+    kv = _fused(engine, 0)
+    blob = encode_blob("c1", kv, "float16").replace(b'"format_version":"2"', b'"format_version":"3"')
+    with pytest.raises(CacheMismatchError, match="reads versions 1, 2"):
+        _decode(blob, kv)
+
+
+# ---- ingest ---------------------------------------------------------------------------------------------
+
+def test_ingest_stores_each_fused_cache_with_its_drift(engine: FusionEngine, tmp_path: Path) -> None:
+    index = FusionIndex.open(engine, tmp_path / "index", config=IngestConfig(chunk_tokens=64, neighbors=2),
+                             storage_dtype="float32")
+    ids = [cid for (cid,) in index.add_texts(CHUNKS).chunk_ids]
+    get = lambda cid, v: index.store.get(cid, v, fingerprint=engine.fingerprint)  # noqa: E731
+    for cid in ids:
+        fused, alone = get(cid, "fused"), get(cid, "independent")
+        assert fused.drift is not None
+        torch.testing.assert_close(fused.drift, fusion_drift(fused, alone, engine.decoder.rope), atol=1e-6, rtol=1e-5)
+        assert alone.drift is None
+
+
+def test_a_chunk_alone_in_its_corpus_has_no_drift(engine: FusionEngine, tmp_path: Path) -> None:
+    index = FusionIndex.open(engine, tmp_path / "index", config=IngestConfig(chunk_tokens=64, neighbors=2))
+    ((cid,),) = index.add_texts(CHUNKS[:1]).chunk_ids
+    assert index.store.get(cid, "fused", fingerprint=engine.fingerprint).drift is None
+
+
+# ---- selection ------------------------------------------------------------------------------------------
+
+def _stitched(engine: FusionEngine, caches: dict[str, ChunkKV]) -> Stitched:
+    prompt = prompt_for(engine, CHUNKS)
+    return stitch(engine.decoder, prompt, engine.prefix_cache(prompt.prefix), lambda cid, _first: caches.get(cid),
+                  extra_capacity=1)
+
+
+def _caches(engine: FusionEngine) -> dict[str, ChunkKV]:
+    return {f"c{i}": _fused(engine, i) for i in range(len(CHUNKS))}
+
+
+def test_stitching_carries_each_chunks_drift_in_prompt_order(engine: FusionEngine) -> None:
+    caches = _caches(engine)
+    st = _stitched(engine, caches)
+    assert st.chunks_without_drift == 0
+    expected = torch.cat([caches[f"c{i}"].drift for i in range(len(CHUNKS))])  # type: ignore[misc]
+    torch.testing.assert_close(st.drift(), expected[: st.num_reused_tokens])
+    caches["c1"] = replace(caches["c1"], drift=None)
+    assert _stitched(engine, caches).chunks_without_drift == 1
+
+
+def test_drift_aware_ranks_by_attention_times_drift(engine: FusionEngine) -> None:
+    caches = _caches(engine)
+    config = SelectConfig(ratio=0.2)
+    st = _stitched(engine, caches)
+    picked = get_selector("drift_aware")(st, config.budget(st.num_reused_tokens), config)
+    st = _stitched(engine, caches)
+    slots, attention = _inexact(st, st.reusable_slots, question_attention(st, (0.75,)))
+    score = attention * st.drift()[torch.isin(st.reusable_slots, slots)]
+    expected = torch.sort(slots[torch.sort(-score, stable=True).indices[: picked.numel()]]).values
+    assert picked.numel() == config.budget(st.num_reused_tokens)
+    assert torch.equal(picked, expected)
+
+
+def test_a_chunk_that_did_not_drift_is_never_recomputed(engine: FusionEngine) -> None:
+    caches = _caches(engine)
+    still = caches["c1"]
+    caches["c1"] = replace(still, drift=torch.zeros_like(still.drift))  # type: ignore[arg-type]
+    config = SelectConfig(ratio=0.3)
+    st = _stitched(engine, caches)
+    picked = get_selector("drift_aware")(st, config.budget(st.num_reused_tokens), config)
+    assert not bool(torch.isin(picked, st.chunk_slots[1]).any())
+
+
+def test_without_any_drift_drift_aware_is_fusion_aware_early(engine: FusionEngine) -> None:
+    caches = {cid: replace(kv, drift=None) for cid, kv in _caches(engine).items()}
+    config = SelectConfig(ratio=0.25)
+    picks = []
+    for name in ("drift_aware", "fusion_aware_early"):
+        st = _stitched(engine, caches)
+        picks.append(get_selector(name)(st, config.budget(st.num_reused_tokens), config))
+    assert torch.equal(picks[0], picks[1])
+
+
+def test_drift_adaptive_stays_between_floor_and_ceiling(engine: FusionEngine) -> None:
+    caches = _caches(engine)
+    counts = {}
+    for mass in (1e-6, 0.5, 1.0):
+        config = SelectConfig(ratio=0.3, adaptive_floor=0.05, drift_mass=mass)
+        st = _stitched(engine, caches)
+        budget = config.budget(st.num_reused_tokens)
+        counts[mass] = int(get_selector("drift_adaptive")(st, budget, config).numel())
+        assert -(-0.05 * st.num_reused_tokens // 1) <= counts[mass] <= budget
+    assert counts[1e-6] < counts[0.5] <= counts[1.0] == SelectConfig(ratio=0.3).budget(st.num_reused_tokens)
+    with pytest.raises(InvalidRequestError, match="drift_mass"):
+        SelectConfig(drift_mass=0.0)
+
+
+def test_the_engine_reports_chunks_without_drift(engine: FusionEngine) -> None:
+    caches = _caches(engine)
+    caches["c0"] = replace(caches["c0"], drift=None)
+    prompt = prompt_for(engine, CHUNKS)
+    gen = engine.generate(prompt, selector="drift_aware", ratio=0.2, caches=caches,
+                          sampling=SamplingConfig(max_new_tokens=1))
+    assert gen.chunks_without_drift == 1 and gen.stats()["chunks_without_drift"] == 1
+    assert gen.recomputed_tokens == SelectConfig(ratio=0.2).budget(gen.reused_tokens + gen.recomputed_tokens)
