@@ -25,7 +25,8 @@ from fusionrag_core.kv import ChunkKV
 from fusionrag_core.rope import shift_keys
 from fusionrag_core.select import SelectConfig, _inexact, get_selector, question_attention
 from fusionrag_core.stitch import Stitched, stitch
-from fusionrag_core.store import decode_blob, encode_blob
+from fusionrag_core.store import DiskKVStore, TieredKVStore, decode_blob, encode_blob
+from fusionrag_core.store.tiered import _pin as tiered_pin
 from tests.test_engine import ARCHS, CHUNKS, prompt_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -244,3 +245,19 @@ def test_the_engine_reports_chunks_without_drift(engine: FusionEngine) -> None:
                           sampling=SamplingConfig(max_new_tokens=1))
     assert gen.chunks_without_drift == 1 and gen.stats()["chunks_without_drift"] == 1
     assert gen.recomputed_tokens == SelectConfig(ratio=0.2).budget(gen.reused_tokens + gen.recomputed_tokens)
+
+
+def test_drift_survives_the_tiered_store_and_pinning(engine: FusionEngine, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = replace(_fused(engine, 1), fused_after="0123456789abcdef")
+    inner = DiskKVStore(tmp_path / "kv", storage_dtype="float32")
+    inner.put("c1", kv)
+    store = TieredKVStore(inner, device="cpu", dtype=torch.float32, device_bytes=1 << 24, host_bytes=1 << 24)
+    for _ in range(3):  # the store, then the device tier, then again
+        got = store.get("c1", "fused", fingerprint=kv.fingerprint)
+        assert got.drift is not None and torch.equal(got.drift, kv.drift)
+    # with CUDA present the host tier pins the K/V; every other field must survive the copy
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self.clone())
+    pinned = tiered_pin(kv)
+    assert pinned.drift is not None and torch.equal(pinned.drift, kv.drift) and pinned.fused_after == kv.fused_after

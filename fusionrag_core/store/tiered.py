@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -100,8 +100,8 @@ def _pin(kv: ChunkKV) -> ChunkKV:
     """`kv` in page-locked host memory when CUDA is present (async host-to-device copies)."""
     if not torch.cuda.is_available():
         return kv
-    return ChunkKV(kv.token_ids, kv.keys.pin_memory(), kv.values.pin_memory(), kv.positions, kv.fingerprint,
-                   kv.variant)
+    # NOTE: `replace` keeps every other field (the fusion drift, the neighbours digest) as it was.
+    return replace(kv, keys=kv.keys.pin_memory(), values=kv.values.pin_memory())
 
 
 class TieredKVStore(KVStore):
