@@ -611,6 +611,11 @@ def cmd_verify(args: argparse.Namespace, engine: Callable[[], FusionEngine], arg
               f"command (it resumes where it stopped, reusing the caches it stored), then `{PROG} verify`. "
               "Nothing was repaired.")
         return 1
+    if report.drift_added:
+        print(f"upgraded: {report.drift_added} fused cache(s) given their fusion drift (read by the drift_* selectors)")
+    elif report.without_drift:
+        print(f"{report.without_drift} fused cache(s) carry no fusion drift (written by an earlier version); "
+              f"`{PROG} verify --repair` adds it from the stored caches, no prefill")
     if report.ok:
         print("OK: every chunk has its caches, and every cache its chunk")
         return 0

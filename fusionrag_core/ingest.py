@@ -42,7 +42,8 @@ import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -69,6 +70,7 @@ from fusionrag_core.chunk_record import (
     record_upgrade,
 )
 from fusionrag_core.chunking import Chunker, ChunkingConfig, chunk_id
+from fusionrag_core.drift import fusion_drift
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import (
     CacheCorruptError,
@@ -77,7 +79,7 @@ from fusionrag_core.errors import (
     InvalidRequestError,
 )
 from fusionrag_core.guard import check_room, project
-from fusionrag_core.kv import Variant, neighbours_digest
+from fusionrag_core.kv import ChunkKV, Variant, neighbours_digest
 from fusionrag_core.recognise import content_index_for, index_content
 from fusionrag_core.store.base import KVStore
 
@@ -203,6 +205,11 @@ class VerifyReport:
         repaired: whether problems were fixed.
         recomputed: prefills run by the repair.
         removed: Chroma entries removed by the repair (the textless ones).
+        without_drift: good fused caches of chunks with neighbours that carry no fusion drift
+            (written before drift was stored): not a problem (the `drift_*` selectors score them
+            with the prompt's mean drift), an upgrade the repair makes.
+        drift_added: of those, the ones the repair gave their drift (from the two stored caches,
+            no prefill).
         incomplete: set when the last ingest or delete died mid-way (who and when): the corpus is
             short of its documents; re-running that ingest finishes it. Nothing is repaired then,
             so the blobs the resumed ingest will use are kept.
@@ -220,6 +227,8 @@ class VerifyReport:
     repaired: bool = False
     recomputed: int = 0
     removed: int = 0
+    without_drift: int = 0
+    drift_added: int = 0
     incomplete: str = ""
 
     @property
@@ -240,6 +249,7 @@ class Problems:
         bad_independent: `(chunk id, text)` of missing, corrupt or mismatched independent caches.
         bad_fused: chunk ids of missing, corrupt or mismatched fused caches.
         stale: chunk ids of fused caches out of date (pending, or a neighbour is gone).
+        without_drift: chunk ids of good fused caches (with neighbours) that carry no drift.
     """
 
     report: VerifyReport
@@ -248,6 +258,7 @@ class Problems:
     bad_independent: list[tuple[str, str]] = field(default_factory=list)
     bad_fused: list[str] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)
+    without_drift: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -745,6 +756,7 @@ class Ingestor:
         if repair and not problems.report.ok and not interrupted:
             self.repair(problems)
         if repair and not interrupted:
+            self._add_drift(problems)
             self._index_texts()
             self._record_nodes()
         return problems.report
@@ -784,8 +796,10 @@ class Ingestor:
             expected = self.engine.layout.chunk_ids(row.text)
             for variant in ("independent", "fused") if self.config.fuse else ("independent",):
                 recorded = _neighbour_ids(row.metadata) if variant == "fused" else None
-                problem = self._check_blob(cid, variant, expected, recorded)
+                problem, kv = self._check_blob(cid, variant, expected, recorded)
                 if problem is None:
+                    if kv is not None and kv.drift is None and recorded:
+                        problems.without_drift.append(cid)
                     continue
                 setattr(report, problem, getattr(report, problem) + 1)
                 if variant == "independent":
@@ -798,7 +812,20 @@ class Ingestor:
             and (r.metadata.get(PENDING_KEY) or any(n not in rows for n in _neighbour_ids(r.metadata)))
         ]
         report.stale = len(problems.stale)
+        stale = set(problems.stale)
+        problems.without_drift = [cid for cid in problems.without_drift if cid not in stale]
+        report.without_drift = len(problems.without_drift)
         return problems
+
+    def _add_drift(self, problems: Problems) -> None:
+        """Give good fused caches written before drift was stored their drift, from the two stored
+        caches (`drift.fusion_drift`; no prefill), each rewritten whole (a blob is replaced, never
+        edited)."""
+        get = partial(self.store.get, fingerprint=self.engine.fingerprint, shape=self.engine.kv_shape)
+        for cid in problems.without_drift:
+            fused, alone = get(cid, "fused"), get(cid, "independent")
+            self.store.put(cid, replace(fused, drift=fusion_drift(fused, alone, self.engine.decoder.rope)))
+            problems.report.drift_added += 1
 
     def repair(self, problems: Problems) -> None:
         """Fix what `find_problems` found; records the work in `problems.report`."""
@@ -814,8 +841,9 @@ class Ingestor:
         report.recomputed = self.prefills - prefills
 
     def _check_blob(self, cid: str, variant: Variant, expected: torch.Tensor,
-                    neighbours: Sequence[str] | None = None) -> str | None:
-        """None if the blob is good, else the VerifyReport field that counts its problem.
+                    neighbours: Sequence[str] | None = None) -> tuple[str | None, ChunkKV | None]:
+        """`(None, the cache)` if the blob is good, else `(the VerifyReport field that counts its
+        problem, None)`.
 
         `neighbours`: the neighbour ids the collection records for a fused cache; a blob that
         records others was fused after another list (a second writer, an interrupted update).
@@ -824,16 +852,16 @@ class Ingestor:
         try:
             kv = self.store.get(cid, variant, fingerprint=self.engine.fingerprint, shape=self.engine.kv_shape)
         except CacheNotFoundError:
-            return "missing"
+            return "missing", None
         except CacheCorruptError:
-            return "corrupt"
+            return "corrupt", None
         except CacheMismatchError:
-            return "mismatched"
+            return "mismatched", None
         if not torch.equal(kv.token_ids, expected):
-            return "mismatched"
+            return "mismatched", None
         if neighbours is not None and kv.fused_after and kv.fused_after != neighbours_digest(neighbours):
-            return "wrong_neighbours"
-        return None
+            return "wrong_neighbours", None
+        return None, kv
 
 
 __all__ = [

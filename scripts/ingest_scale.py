@@ -98,6 +98,7 @@ PHASES = (
     ("existing chunks affected", "ingest.py", "_affected_by"),
     ("fused caches + Chroma batches", "ingest.py", "_add_new"),
     ("  of which: fused prefills", "chunk_caches.py", "fused"),
+    ("    of which: fusion drift (vs the independent cache)", "drift.py", "fusion_drift"),
     ("  of which: Chroma adds", "vectordb.py", "add_chunks"),
     ("  of which: waiting for the blob writer", "blob_writer.py", "flush"),
     ("all prefills (LLM forward passes)", "engine.py", "chunk_caches"),

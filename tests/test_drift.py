@@ -261,3 +261,25 @@ def test_drift_survives_the_tiered_store_and_pinning(engine: FusionEngine, tmp_p
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self.clone())
     pinned = tiered_pin(kv)
     assert pinned.drift is not None and torch.equal(pinned.drift, kv.drift) and pinned.fused_after == kv.fused_after
+
+
+def test_verify_gives_old_fused_caches_their_drift_without_a_prefill(engine: FusionEngine, tmp_path: Path) -> None:
+    index = FusionIndex.open(engine, tmp_path / "index", config=IngestConfig(chunk_tokens=64, neighbors=2),
+                             storage_dtype="float32")
+    ids = [cid for (cid,) in index.add_texts(CHUNKS).chunk_ids]
+    get = lambda cid, v: index.store.get(cid, v, fingerprint=engine.fingerprint)  # noqa: E731
+    before = {cid: get(cid, "fused") for cid in ids}
+    for cid in ids[:2]:  # as an earlier version wrote them
+        index.store.put(cid, replace(before[cid], drift=None))
+    prefills = index.ingestor.prefills
+    checked = index.verify(repair=False)
+    assert checked.ok and checked.without_drift == 2 and checked.drift_added == 0
+    assert get(ids[0], "fused").drift is None, "a check without repair writes nothing"
+    report = index.verify(repair=True)
+    assert report.ok and report.without_drift == 2 and report.drift_added == 2
+    assert index.ingestor.prefills == prefills, "drift comes from the stored caches, not a prefill"
+    for cid in ids:
+        got = get(cid, "fused")
+        assert got.drift is not None and torch.equal(got.keys, before[cid].keys)
+        torch.testing.assert_close(got.drift, before[cid].drift, atol=1e-6, rtol=1e-5)
+    assert index.verify(repair=True).without_drift == 0
