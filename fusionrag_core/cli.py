@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 PROG = "fusionrag"
 TEXT_SUFFIXES = (".txt", ".md", ".markdown")
 PDF_SUFFIX = ".pdf"
-SELECTOR_NAMES = ("fusion_aware_early (FusionRAG, cheaper probe), query_guided (the paper's FusionRAG), "
+SELECTOR_NAMES = ("drift_aware (FusionRAG, cheaper probe, attention weighted by fusion drift), fusion_aware_early "
+                  "(the same without drift), query_guided (the paper's FusionRAG), "
                   "two_stage (re-probes after recomputing half the budget), two_stage_adaptive (ratio from the "
                   "re-probe), kv_deviation (CacheBlend), first_k (EPIC), random, none, all")
 
@@ -217,7 +218,7 @@ def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
     group.add_argument("--redis-url", default=default(None), metavar="URL",
                        help="Redis KV store, e.g. redis://127.0.0.1:6379/0 (default: disk store under --db)")
     group.add_argument("--selector", default=default(None),
-                       help=f"which chunk tokens to recompute: {SELECTOR_NAMES} (default: fusion_aware_early)")
+                       help=f"which chunk tokens to recompute: {SELECTOR_NAMES} (default: drift_aware)")
     group.add_argument("--ratio", type=float, default=default(None),
                        help="fraction of reused chunk tokens to recompute (default: 0.15)")
     group.add_argument("-k", type=positive_int, default=default(4),

@@ -56,13 +56,16 @@ class EngineConfig:
     """Defaults of every query; each can be overridden per call.
 
     Attributes:
-        selector: "fusion_aware_early" (the default: FusionRAG's query-guided selection with the
-            probe stopped at 3/4 depth, or the deepest full-attention layer below it, and no budget
-            spent on tokens whose cache is already exact), "query_guided" (the paper's: last-layer
-            probe), "kv_deviation" (CacheBlend), "first_k" (EPIC), "random", "none" (full reuse),
-            "all" (full recompute), or another name in `select.SELECTORS`. (Held-out MuSiQue dev
-            rows 0-9, shared corpus, 15%: first-token KL 0.046 -> 0.025 on SmolLM2-135M, 0.048 ->
-            0.035 on gemma3-270m; chosen on rows 20-29, where it also won on both.)
+        selector: "drift_aware" (the default: FusionRAG's query-guided selection with the probe
+            stopped at 3/4 depth, or the deepest full-attention layer below it, no budget spent on
+            tokens whose cache is already exact, and the question's attention weighted by each
+            token's fusion drift: see `fusionrag_core.drift`), "fusion_aware_early" (the same
+            without the drift), "query_guided" (the paper's: last-layer probe), "kv_deviation"
+            (CacheBlend), "first_k" (EPIC), "random", "none" (full reuse), "all" (full recompute),
+            or another name in `select.SELECTORS`. (Held-out MuSiQue dev rows 0-9, shared corpus,
+            15%: first-token KL 0.046 (paper) -> 0.025 (fusion_aware_early) -> 0.018 on
+            SmolLM2-135M, 0.048 -> 0.035 -> 0.032 on gemma3-270m; both chosen on rows 20-29, where
+            they also won on both.)
         select: ratio and selector knobs.
         cache_variant: which stored cache to prefer: "fused" (FusionRAG) or "independent".
         exact_first_chunk: with "fused", a chunk right after the system prefix that caches are
@@ -88,7 +91,7 @@ class EngineConfig:
             keeps torch's `F.linear` (MKL). No effect on GPUs or non-fp32 weights.
     """
 
-    selector: str = "fusion_aware_early"
+    selector: str = "drift_aware"
     select: SelectConfig = field(default_factory=SelectConfig)
     cache_variant: Variant = "fused"
     exact_first_chunk: bool = True

@@ -110,8 +110,11 @@ class Stitched:
 
     @property
     def chunks_without_drift(self) -> int:
-        """Reused chunks whose cache carries no fusion drift (see `drift.prompt_drift`)."""
-        return sum(d is None for d in self.chunk_drift)
+        """Reused chunks whose cache carries no fusion drift (see `drift.prompt_drift`), not counting
+        an exactly cached one (its tokens are never recomputed, so its drift is never read)."""
+        exact = self.exact_slots
+        return sum(d is None and not (s.shape == exact.shape and torch.equal(s, exact.to(s.device)))
+                   for d, s in zip(self.chunk_drift, self.chunk_slots, strict=True))
 
     def drift(self) -> torch.Tensor:
         """`[R]` fp32 fusion drift of every reusable slot, aligned with `reusable_slots`

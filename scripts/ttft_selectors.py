@@ -1,8 +1,9 @@
 """TTFT of the selectors side by side at the same recompute ratio (CPU or GPU), with the probe split out.
 
 For each MuSiQue row of a slice (passages cut to `--max-passage-tokens`, ~800-token prompts at 10
-passages of 80 tokens), with the chunk caches already in memory (the selectors' cost does not
-depend on whether a cache is fused or independent, and the store load is the same for all), it
+passages of 80 tokens), with the chunk caches already in memory (independent ones; `--fused`: each
+passage fused after the row's other passages, with its fusion drift, as the `drift_*` selectors
+read it; the store load is the same for all selectors), it
 times every selector in `--selectors` at `--ratio` in rounds: each round runs every selector once,
 in an order rotated from round to round, so machine drift hits them alike. Per request it keeps
 
@@ -27,6 +28,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,9 @@ import torch
 from fusionrag_core.bench.data import load_rows
 from fusionrag_core.bench.runner import row_passages
 from fusionrag_core.decode import SamplingConfig
+from fusionrag_core.drift import fusion_drift
 from fusionrag_core.engine import EngineConfig, FusionEngine
+from fusionrag_core.kv import ChunkKV
 from fusionrag_core.recompute import recompute
 from fusionrag_core.select import SelectConfig, get_selector
 from fusionrag_core.stitch import stitch
@@ -64,6 +68,18 @@ def phases(engine: FusionEngine, prompt: Any, caches: dict[str, Any], selector: 
     return t1 - t0, time.perf_counter() - t1
 
 
+def row_caches(engine: FusionEngine, passages: list[str], r: int, fused: bool) -> dict[str, ChunkKV]:
+    """The row's chunk caches: independent, or each fused after the others (with its drift)."""
+    alone = {f"r{r}p{j}": engine.chunk_cache(text) for j, text in enumerate(passages)}
+    if not fused:
+        return alone
+    out = {}
+    for j, (cid, text) in enumerate(zip(alone, passages, strict=True)):
+        kv = replace(engine.chunk_cache(text, [c for i, c in enumerate(alone.values()) if i != j]), variant="fused")
+        out[cid] = replace(kv, drift=fusion_drift(kv, alone[cid], engine.decoder.rope))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", type=Path, required=True)
@@ -79,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
                         "default ratio: --ratio")
     p.add_argument("--reference", default="kv_deviation")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--fused", action="store_true",
+                   help="fuse each passage after the row's other passages (with its drift), not independent caches")
     p.add_argument("--mkl-linears", action="store_true",
                    help="projections on torch's F.linear (MKL), not packed oneDNN weights (EngineConfig)")
     args = p.parse_args(argv)
@@ -97,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt_tokens = []
     for r, row in enumerate(rows):
         passages = row_passages(row, engine, args.max_passage_tokens)
-        caches = {f"r{r}p{j}": engine.chunk_cache(text) for j, text in enumerate(passages)}
+        caches = row_caches(engine, passages, r, args.fused)
         prompt = engine.prompt(row.question, chunks=list(zip(caches, passages, strict=True)))
         prompt_tokens.append(prompt.num_tokens)
         for k in range(args.rounds + 1):  # round 0 warms up
@@ -120,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": str(engine.device),
         "threads": torch.get_num_threads(),
         "packed_linears": engine.config.packed_linears,
+        "fused": args.fused,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "rows": f"{args.skip}-{args.skip + len(rows) - 1}",
         "ratio": args.ratio,

@@ -159,7 +159,7 @@ def test_ingest_ask_verify(
     assert main(["ask", "Who designed the Lumen lighthouse?", "--max-tokens", "3", "-k", "2", *db],
                 engine_factory=engines) == 0
     out = capsys.readouterr().out
-    assert "TTFT" in out and "cache misses 0" in out and "fusion_aware_early @ ratio 0.15" in out
+    assert "TTFT" in out and "cache misses 0" in out and "drift_aware @ ratio 0.15" in out
     assert "sources: [1] " in out and "[3]" not in out and "lighthouse.md" in out
 
     assert main([*db, "--selector", "none", "ask", "Where was Ada Vell born?", "--max-tokens", "2"],

@@ -283,3 +283,15 @@ def test_verify_gives_old_fused_caches_their_drift_without_a_prefill(engine: Fus
         assert got.drift is not None and torch.equal(got.keys, before[cid].keys)
         torch.testing.assert_close(got.drift, before[cid].drift, atol=1e-6, rtol=1e-5)
     assert index.verify(repair=True).without_drift == 0
+
+
+def test_a_query_over_an_ingested_corpus_has_drift_for_every_inexact_chunk(engine: FusionEngine,
+                                                                            tmp_path: Path) -> None:
+    index = FusionIndex.open(engine, tmp_path / "index", config=IngestConfig(chunk_tokens=64, neighbors=2))
+    index.add_texts(CHUNKS)
+    gen, _ = index.answer("Where was the designer of the Lumen lighthouse born?", k=3,
+                          sampling=SamplingConfig(max_new_tokens=1))
+    assert gen.selector == "drift_aware"
+    # the first chunk reuses its exact independent cache (no drift, never recomputed): not counted
+    assert gen.cache_variants == {"independent": 1, "fused": 2}
+    assert gen.chunks_without_drift == 0

@@ -202,7 +202,7 @@ def test_marked_chunks_are_reused_in_any_order_with_their_exact_cached_tokens(
         assert meta["cache_misses"] == 0 and meta["cache_miss_ids"] == []
         assert meta["independent_chunks"] == len(docs)  # the store holds independent caches only
     meta = _ask(chat, orders[2]).response_metadata
-    assert meta["selector"] == "fusion_aware_early"
+    assert meta["selector"] == "drift_aware"
     # the query-guided pass recomputes its share of the chunk tokens and reuses the rest
     assert meta["recomputed_tokens"] == round(0.15 * cached_tokens) > 0
     assert meta["reused_tokens"] + meta["recomputed_tokens"] == cached_tokens

@@ -92,9 +92,10 @@ class FusionRAGModelFields(BaseModel):
     stop: list[str] | None = None
     """Stop strings; a per-call `stop` replaces them."""
     selector: str | None = None
-    """Which chunk tokens to recompute: "fusion_aware_early" (FusionRAG with a cheaper probe),
-    "query_guided" (the paper's FusionRAG), "kv_deviation" (CacheBlend), "first_k" (EPIC),
-    "random", "none" (full reuse), "all"; None: the engine's default (fusion_aware_early)."""
+    """Which chunk tokens to recompute: "drift_aware" (FusionRAG with a cheaper probe, attention
+    weighted by fusion drift), "fusion_aware_early" (the same without drift), "query_guided" (the
+    paper's FusionRAG), "kv_deviation" (CacheBlend), "first_k" (EPIC), "random", "none" (full
+    reuse), "all"; None: the engine's default (drift_aware)."""
     ratio: float | None = None
     """Fraction of reused chunk tokens to recompute (None: the engine's default, 0.15)."""
     variant: Variant | None = None
