@@ -61,6 +61,7 @@ def test_every_llm_response_mode_reuses_the_retrieved_chunks(index: FusionIndex,
     assert isinstance(response, Response) and len(response.source_nodes) == 2
     meta = response.metadata
     assert meta["llm_calls"] >= 1 and meta["reused_tokens"] > 0 and meta["cache_misses"] == 0
+    assert meta["chunks_without_drift"] == 0  # every fused cache carries its drift
     assert MARK_OPEN not in (response.response or "")
     for node in response.source_nodes:
         assert node.node.node_id in response.metadata  # RetrieverQueryEngine's node metadata is kept

@@ -29,7 +29,8 @@ from llama_index_instrumentation.span import SimpleSpan, active_span_id
 from llama_index_instrumentation.span_handlers import BaseSpanHandler
 
 _SUMMED = ("prompt_tokens", "completion_tokens", "reused_tokens", "recomputed_tokens", "prefilled_tokens",
-           "context_tokens", "kv_bytes_loaded", "cache_misses", "fused_chunks", "independent_chunks", "total_s")
+           "context_tokens", "kv_bytes_loaded", "cache_misses", "fused_chunks", "independent_chunks",
+           "chunks_without_drift", "total_s")
 _MAX_DEPTH = 256
 
 
