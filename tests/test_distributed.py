@@ -94,6 +94,9 @@ def _assert_same_caches(a: KVStore, b: KVStore, ids: list[str], engine: FusionEn
             # NOTE: fp16 storage; packing differs between the runs, so the last bits may too.
             torch.testing.assert_close(y.keys.float(), x.keys.float(), rtol=2e-3, atol=2e-3)
             torch.testing.assert_close(y.values.float(), x.values.float(), rtol=2e-3, atol=2e-3)
+            assert (x.drift is None) == (y.drift is None) == (variant == "independent")
+            if x.drift is not None and y.drift is not None:  # NOTE: a relative distance: looser
+                torch.testing.assert_close(y.drift, x.drift, rtol=2e-2, atol=1e-4)
 
 
 @pytest.fixture(scope="module")

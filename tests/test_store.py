@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import hashlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -139,6 +141,17 @@ def test_round_trip_fp32_exact(make_store: Callable[[str], KVStore]) -> None:
         out = store.get("ab12", "fused", fingerprint=FP, shape=SHAPE)
     assert out.keys.dtype == torch.float32
     assert_same(out, kv)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "float16", "int8"])
+def test_fusion_drift_round_trips_exactly_at_any_storage_dtype(make_store: Callable[[str], KVStore],
+                                                               fmt: str) -> None:
+    kv = replace(make_kv(variant="fused"), drift=torch.rand(5, generator=torch.Generator().manual_seed(1)))
+    with make_store(fmt) as store:
+        store.put("ab12", kv)
+        out = store.get("ab12", "fused", fingerprint=FP, shape=SHAPE)
+    # NOTE: one fp32 per token, never cast to the storage dtype
+    assert out.drift is not None and out.drift.dtype == torch.float32 and torch.equal(out.drift, kv.drift)
 
 
 def test_round_trip_fp16_within_tolerance(make_store: Callable[[str], KVStore]) -> None:
