@@ -60,8 +60,9 @@ def _relative(ref: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return diff / ref.pow(2).sum(dim=(1, 3)).clamp_min(1e-30)
 
 
-def prompt_drift(per_chunk: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> tuple[torch.Tensor, int]:
-    """`[R]` the drift of every reused token in prompt order, and how many chunks had none.
+def prompt_drift(per_chunk: Sequence[torch.Tensor | None], sizes: Sequence[int],
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """`[R]` fp32 drift of every reused token in prompt order, on `device`.
 
     A chunk without drift (an independent cache, a learned one, a blob from before drift was
     stored) gets the mean drift of the chunks that have it: neither favoured nor passed over. With
@@ -71,12 +72,12 @@ def prompt_drift(per_chunk: Sequence[torch.Tensor | None], sizes: Sequence[int])
         per_chunk: each reused chunk's `[T_c]` drift (already cut to the tokens reused) or None.
         sizes: each reused chunk's reused token count `T_c`.
     """
-    known = [d for d in per_chunk if d is not None]
-    fill = float(torch.cat(known).float().mean()) if known and sum(int(d.numel()) for d in known) else 1.0
-    parts = [d.float().cpu() if d is not None else torch.full((n,), fill)
+    known = [d.to(device, torch.float32) for d in per_chunk if d is not None and d.numel()]
+    # NOTE: a 0-d tensor, not a float: on CUDA the mean stays on the device (no sync per request).
+    fill = torch.cat(known).mean() if known else torch.ones((), device=device)
+    parts = [d.to(device, torch.float32) if d is not None else fill.expand(n)
              for d, n in zip(per_chunk, sizes, strict=True)]
-    missing = sum(d is None for d in per_chunk)
-    return (torch.cat(parts) if parts else torch.empty(0)), missing
+    return torch.cat(parts) if parts else torch.empty(0, device=device)
 
 
 __all__ = ["fusion_drift", "prompt_drift"]

@@ -119,8 +119,7 @@ class Stitched:
     def drift(self) -> torch.Tensor:
         """`[R]` fp32 fusion drift of every reusable slot, aligned with `reusable_slots`
         (a chunk without drift gets the mean of the others: `drift.prompt_drift`)."""
-        values, _ = prompt_drift(self.chunk_drift, [int(s.shape[0]) for s in self.chunk_slots])
-        return values.to(self.reusable_slots.device)
+        return prompt_drift(self.chunk_drift, [int(s.shape[0]) for s in self.chunk_slots], self.buf.keys.device)
 
 
 def append_shifted(decoder: Decoder, buf: KVBuffer, kv: ChunkKV, *, start_position: int | None = None) -> torch.Tensor:
