@@ -213,11 +213,11 @@ class CacheBuilder:
         contexts = [self._context_tokens(ordered[i]) for i in todo]
         for group in self._groups(sizes, contexts):
             chosen = [todo[g] for g in group]
-            neighbours = [[self._neighbour(n) for n in ordered[i]] for i in chosen]
+            neighbours = [[self._independent_of(n) for n in ordered[i]] for i in chosen]
             for i, kvs in zip(chosen, neighbours, strict=True):
                 self._check_fits(items[i][0], ids[i], kvs)
             for i, kv in zip(chosen, self._prefill([ids[i] for i in chosen], neighbours), strict=True):
-                alone = self._own_independent(items[i][0], items[i][1])
+                alone = self._independent_of(items[i][0], items[i][1])
                 out[i] = replace(kv, drift=fusion_drift(kv, alone, self.engine.decoder.rope))
         return [replace(out[i], fused_after=neighbours_digest([nid for nid, _ in item[2]]))
                 for i, item in enumerate(items)]
@@ -261,22 +261,17 @@ class CacheBuilder:
         self.prefills += len(token_ids)
         return self.engine.chunk_caches(token_ids, neighbours)
 
-    def _own_independent(self, chunk_id: str, text: str) -> ChunkKV:
-        """The chunk's own independent cache, recomputed from `text` when it is unusable."""
-        try:
-            return self.caches.get(chunk_id)
-        except (CacheNotFoundError, CacheCorruptError, CacheMismatchError) as e:
-            log.warning("recomputing the independent cache of chunk %s: %s", chunk_id, e)
-            self.independent([(chunk_id, text)])
-            return self.caches.get(chunk_id)
+    def _independent_of(self, chunk_id: str, text: str | None = None) -> ChunkKV:
+        """The chunk's independent cache (a neighbour's, or the chunk's own to measure its drift).
 
-    def _neighbour(self, chunk_id: str) -> ChunkKV:
+        NOTE: the invariant says a Chroma chunk has its blobs; when it does not, recompute the cache
+        from the chunk's text (`text`, else `text_of`; the result is the same cache), rather than
+        fuse without it.
+        """
         try:
             return self.caches.get(chunk_id)
         except (CacheNotFoundError, CacheCorruptError, CacheMismatchError) as e:
-            # NOTE: the invariant says a Chroma chunk has its blobs; when it does not, recompute the
-            # cache from the chunk's text (the result is the same cache), rather than fuse without it.
-            text = self.text_of(chunk_id) if self.text_of is not None else None
+            text = text or (self.text_of(chunk_id) if self.text_of is not None else None)
             if not text:
                 raise InvalidRequestError(
                     f"neighbour chunk {chunk_id} has no usable independent cache ({e}) and no text to recompute "
