@@ -242,9 +242,7 @@ def drift_weighted_attention(st: Stitched, depths: tuple[float, ...]) -> tuple[t
     whose K/V fusion did not move gains little from recompute; one that moved a lot and is read is
     where the cache misleads the question most.
     """
-    slots, attention = _inexact(st, st.reusable_slots, question_attention(st, depths))
-    keep = torch.isin(st.reusable_slots, slots)
-    return slots, attention * st.drift()[keep]
+    return _inexact(st, st.reusable_slots, question_attention(st, depths) * st.drift())  # [R] * [R]
 
 
 def select_drift_aware(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:

@@ -120,7 +120,7 @@ def storage_torch_dtype(storage_dtype: str) -> torch.dtype:
         ) from None
 
 
-def _tensor_names(storage_dtype: str, version: str = _NO_DRIFT_VERSION) -> tuple[str, ...]:
+def _tensor_names(storage_dtype: str, version: str) -> tuple[str, ...]:
     names = _TENSOR_NAMES + _SCALE_NAMES if storage_dtype in QUANTIZED else _TENSOR_NAMES
     return names if version == _NO_DRIFT_VERSION else (*names, "drift")
 
