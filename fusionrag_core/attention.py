@@ -433,11 +433,13 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, spec: M
                                           enable_gqa=G > 1)[0]
 
 
-def attention_mass(q: torch.Tensor, keys: torch.Tensor, spec: MaskSpec, *, scale: float) -> torch.Tensor:
+def attention_mass(q: torch.Tensor, keys: torch.Tensor, spec: MaskSpec, *, scale: float,
+                   weights: torch.Tensor | None = None) -> torch.Tensor:
     """Attention probability each key slot receives, summed over heads and queries.
 
     Args:
         q: `[Hq, Nq, D]` post-RoPE queries; keys: `[H, S, D]`; spec: their visibility (`[Nq]` queries).
+        weights: `[Nq]` each query's weight in the sum (None: 1 each).
 
     Returns:
         `[S]` fp32. NOTE: only `Nq x S` scores per head exist at once (Nq = question length).
@@ -448,4 +450,7 @@ def attention_mass(q: torch.Tensor, keys: torch.Tensor, spec: MaskSpec, *, scale
     qg = q.float().reshape(H, group * Nq, D)  # query head h uses kv head h // group
     scores = torch.bmm(qg, keys.float().transpose(1, 2)) * scale  # [H, G*Nq, S]
     scores = scores.view(Hq, Nq, -1).masked_fill(~spec.allowed()[None], float("-inf"))
-    return torch.softmax(scores, dim=-1).sum(dim=(0, 1))  # [S]
+    probs = torch.softmax(scores, dim=-1)  # [Hq, Nq, S]
+    if weights is None:
+        return probs.sum(dim=(0, 1))  # [S]
+    return torch.einsum("hns,n->s", probs, weights.to(probs))  # [S]

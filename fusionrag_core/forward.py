@@ -183,7 +183,8 @@ class Decoder:
 
     @torch.inference_mode()
     def probe(self, buf: KVBuffer, token_ids: torch.Tensor, slots: torch.Tensor, *,
-              layers: Sequence[int], readers: int | None = None) -> dict[int, torch.Tensor]:
+              layers: Sequence[int], readers: int | None = None,
+              weights: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
         """Attention mass every slot receives from `token_ids`' queries, at each of `layers`.
 
         The tokens (a question) run at their slots up to the highest layer asked for; their K/V are
@@ -193,10 +194,11 @@ class Decoder:
             readers: score only the last `readers` tokens' queries (None: all of them). The tokens
                 before them run as in a recompute pass (their fresh K/V seen by the readers): a
                 re-probe after recomputing some chunk tokens (`select.select_two_stage`).
+            weights: `[readers or N]` each scored token's weight in the sum (None: 1 each).
 
         Returns:
             layer -> `[buf.length]` fp32: softmax per head over the visible keys, summed over heads
-            and the scored tokens.
+            and the scored tokens (weighted by `weights`).
         """
         if not layers or not all(0 <= layer < self.num_layers for layer in layers):
             raise ValueError(f"attention layers {list(layers)} must be non-empty and in [0, {self.num_layers})")
@@ -204,6 +206,8 @@ class Decoder:
         if readers is not None and not 0 < readers <= n:
             raise ValueError(f"readers must be in [1, {n}] (the scored last tokens), got {readers}")
         scored = slice(n - (readers or n), n)
+        if weights is not None and weights.shape != (readers or n,):
+            raise ValueError(f"weights must be [{readers or n}] (one per scored token), got {list(weights.shape)}")
         top = max(layers)
         p = self._pass(buf, slots, None)
         x = self._embed(token_ids)
@@ -214,7 +218,7 @@ class Decoder:
                 spec = p.window_spec(self.windows[i])
                 spec = replace(spec, q_pos=spec.q_pos[scored])
                 masses[i] = attention.attention_mass(q[0, :, scored], buf.keys[i, :, :p.length], spec,
-                                                     scale=self.scaling)
+                                                     scale=self.scaling, weights=weights)
             if i == top:
                 break  # NOTE: the mass is read from this layer's queries and keys; its output feeds nothing
             x = self._mix(i, x, q, p)

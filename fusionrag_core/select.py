@@ -37,6 +37,10 @@ class SelectConfig:
         adaptive_drop: `two_stage_adaptive`'s attention drop at which it spends all of its budget.
         drift_mass: `drift_adaptive`'s target: the share of the drift-weighted attention on
             inexact chunk tokens that the recomputed tokens must cover.
+        last_token_share: the `drift_*` selectors' probe: the share of the question's attention
+            taken from its last token (the position the answer is generated from); its other
+            tokens share the rest equally. None weighs every question token alike, as the other
+            query-guided selectors do (the paper's probe, where the last token has 1/Q of the say).
     """
 
     ratio: float = 0.15
@@ -49,6 +53,7 @@ class SelectConfig:
     two_stage_share: float = 0.5
     adaptive_drop: float = 0.2
     drift_mass: float = 0.7
+    last_token_share: float | None = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -66,6 +71,8 @@ class SelectConfig:
             raise InvalidRequestError(f"two_stage_share must be in (0, 1], got {self.two_stage_share}")
         if not 0.0 < self.drift_mass <= 1.0:
             raise InvalidRequestError(f"drift_mass must be in (0, 1], got {self.drift_mass}")
+        if self.last_token_share is not None and not 0.0 <= self.last_token_share <= 1.0:
+            raise InvalidRequestError(f"last_token_share must be in [0, 1] or None, got {self.last_token_share}")
         if not self.adaptive_drop > 0.0:
             raise InvalidRequestError(f"adaptive_drop must be > 0, got {self.adaptive_drop}")
 
@@ -133,7 +140,27 @@ def probe_layers(windows: Sequence[int | None], depths: tuple[float, ...]) -> tu
     return tuple(sorted({full_at_or_below(round(d * last)) for d in depths}))
 
 
-def question_attention(st: Stitched, depths: tuple[float, ...], *, fresh: torch.Tensor | None = None) -> torch.Tensor:
+def question_weights(question_tokens: int, last_share: float | None, device: torch.device) -> torch.Tensor | None:
+    """`[Q]` each question token's weight in the probe's attention sum: `last_share` on the last
+    token, the rest split equally over the others (None: every token 1, the paper's plain sum).
+
+    The answer is generated from the last position on: its query is the one whose reading of the
+    context the first answer token comes from, and the decoding positions after it read the
+    context much as it does. The question's other tokens read it too (their K/V carry what they
+    read into the answer), so they keep a say; in the plain sum the last token has 1/Q of it.
+    """
+    if last_share is None:
+        return None
+    if question_tokens == 1:
+        return torch.ones(1, device=device)
+    rest = (1.0 - last_share) / (question_tokens - 1)
+    weights = torch.full((question_tokens,), rest, device=device)  # [Q]
+    weights[-1] = last_share
+    return weights
+
+
+def question_attention(st: Stitched, depths: tuple[float, ...], *, fresh: torch.Tensor | None = None,
+                       last_share: float | None = None) -> torch.Tensor:
     """`[R]` the question's attention on each reusable slot, aggregated over the probe layers.
 
     The question is prefilled over the stitched cache up to the deepest probe layer; at each probe
@@ -147,15 +174,18 @@ def question_attention(st: Stitched, depths: tuple[float, ...], *, fresh: torch.
             recompute pass computes them, causal by position): the question then reads a partially
             corrected cache. NOTE: their K/V up to the deepest probe layer are overwritten, so a
             selector that passes them must select them (the recompute pass rewrites every layer).
+        last_share: the share of the attention taken from the question's last token (see
+            `question_weights`); None weighs every question token alike.
     """
     slots = st.reusable_slots
     layers = probe_layers(st.decoder.windows, depths)
+    weights = question_weights(int(st.question_slots.shape[0]), last_share, st.buf.keys.device)
     if fresh is None or fresh.numel() == 0:
-        masses = st.decoder.probe(st.buf, st.question_ids, st.question_slots, layers=layers)
+        masses = st.decoder.probe(st.buf, st.question_ids, st.question_slots, layers=layers, weights=weights)
     else:
         at = torch.cat([fresh.to(slots.device), st.question_slots])  # [K + Q]
         masses = st.decoder.probe(st.buf, st.slot_tokens[at], at, layers=layers,
-                                  readers=int(st.question_slots.shape[0]))
+                                  readers=int(st.question_slots.shape[0]), weights=weights)
     mass = torch.stack([masses[layer] for layer in layers])[:, slots]  # [A, R]
     mass = mass / mass.sum(dim=1, keepdim=True).clamp_min(1e-30)
     return mass.mean(dim=0)
@@ -233,29 +263,33 @@ def select_fusion_aware_early(st: Stitched, budget: int, config: SelectConfig) -
     return _query_guided(st, budget, config, (0.75,), skip_exact=True)
 
 
-def drift_weighted_attention(st: Stitched, depths: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def drift_weighted_attention(st: Stitched, depths: tuple[float, ...],
+                             last_share: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The inexact reusable slots `[R']` and their score: the question's attention (see
     `question_attention`) times the token's fusion drift (`Stitched.drift`, `fusionrag_core.drift`).
 
     Attention says where the question reads; drift says how much that token's cached K/V depends on
     what came before it, so how wrong it can be in this prompt. A token the question reads hard but
     whose K/V fusion did not move gains little from recompute; one that moved a lot and is read is
-    where the cache misleads the question most.
+    where the cache misleads the question most. `last_share`: see `question_weights`.
     """
-    return _inexact(st, st.reusable_slots, question_attention(st, depths) * st.drift())  # [R] * [R]
+    attention = question_attention(st, depths, last_share=last_share)
+    return _inexact(st, st.reusable_slots, attention * st.drift())  # [R] * [R]
 
 
 def select_drift_aware(st: Stitched, budget: int, config: SelectConfig) -> torch.Tensor:
     """`fusion_aware_early` (3/4-depth probe, or `probe_depths`; exact tokens skipped) with the
-    question's attention weighted by each token's fusion drift (`drift_weighted_attention`).
+    question's attention weighted by each token's fusion drift (`drift_weighted_attention`), and
+    `last_token_share` (0.5) of that attention taken from the question's last token, the position
+    the answer is generated from (`question_weights`).
 
     A chunk cache without drift (independent, learned, or written before drift was stored) counts
     as the prompt's mean drift (`Generation.chunks_without_drift` says how many); with none at all
-    this is `fusion_aware_early`.
+    and `last_token_share=None` this is `fusion_aware_early`.
     """
     if budget <= 0 or st.reusable_slots.numel() == 0:
         return st.reusable_slots[:0]
-    slots, scores = drift_weighted_attention(st, config.probe_depths or (0.75,))
+    slots, scores = drift_weighted_attention(st, config.probe_depths or (0.75,), config.last_token_share)
     return _top(slots, scores, budget)
 
 
@@ -269,7 +303,7 @@ def select_drift_adaptive(st: Stitched, budget: int, config: SelectConfig) -> to
     """
     if budget <= 0 or st.reusable_slots.numel() == 0:
         return st.reusable_slots[:0]
-    slots, scores = drift_weighted_attention(st, config.probe_depths or (0.75,))
+    slots, scores = drift_weighted_attention(st, config.probe_depths or (0.75,), config.last_token_share)
     return _top(slots, scores, _covering(scores, config.drift_mass, st.num_reused_tokens, budget, config))
 
 

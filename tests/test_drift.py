@@ -23,7 +23,14 @@ from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest import IngestConfig
 from fusionrag_core.kv import ChunkKV
 from fusionrag_core.rope import shift_keys
-from fusionrag_core.select import SelectConfig, _inexact, get_selector, question_attention
+from fusionrag_core.select import (
+    SelectConfig,
+    _inexact,
+    get_selector,
+    probe_layers,
+    question_attention,
+    question_weights,
+)
 from fusionrag_core.stitch import Stitched, stitch
 from fusionrag_core.store import DiskKVStore, TieredKVStore, decode_blob, encode_blob
 from fusionrag_core.store.tiered import _pin as tiered_pin
@@ -194,7 +201,8 @@ def test_drift_aware_ranks_by_attention_times_drift(engine: FusionEngine) -> Non
     st = _stitched(engine, caches)
     picked = get_selector("drift_aware")(st, config.budget(st.num_reused_tokens), config)
     st = _stitched(engine, caches)
-    slots, attention = _inexact(st, st.reusable_slots, question_attention(st, (0.75,)))
+    attention = question_attention(st, (0.75,), last_share=config.last_token_share)
+    slots, attention = _inexact(st, st.reusable_slots, attention)
     score = attention * st.drift()[torch.isin(st.reusable_slots, slots)]
     expected = torch.sort(slots[torch.sort(-score, stable=True).indices[: picked.numel()]]).values
     assert picked.numel() == config.budget(st.num_reused_tokens)
@@ -211,9 +219,9 @@ def test_a_chunk_that_did_not_drift_is_never_recomputed(engine: FusionEngine) ->
     assert not bool(torch.isin(picked, st.chunk_slots[1]).any())
 
 
-def test_without_any_drift_drift_aware_is_fusion_aware_early(engine: FusionEngine) -> None:
+def test_without_any_drift_or_last_token_share_drift_aware_is_fusion_aware_early(engine: FusionEngine) -> None:
     caches = {cid: replace(kv, drift=None) for cid, kv in _caches(engine).items()}
-    config = SelectConfig(ratio=0.25)
+    config = SelectConfig(ratio=0.25, last_token_share=None)
     picks = []
     for name in ("drift_aware", "fusion_aware_early"):
         st = _stitched(engine, caches)
@@ -233,6 +241,27 @@ def test_drift_adaptive_stays_between_floor_and_ceiling(engine: FusionEngine) ->
     assert counts[1e-6] < counts[0.5] <= counts[1.0] == SelectConfig(ratio=0.3).budget(st.num_reused_tokens)
     with pytest.raises(InvalidRequestError, match="drift_mass"):
         SelectConfig(drift_mass=0.0)
+
+
+def test_question_weights_give_the_last_token_its_share() -> None:
+    weights = question_weights(5, 0.5, torch.device("cpu"))
+    assert weights is not None
+    torch.testing.assert_close(weights, torch.tensor([0.125, 0.125, 0.125, 0.125, 0.5]))
+    assert question_weights(5, None, torch.device("cpu")) is None
+    assert torch.equal(question_weights(1, 0.2, torch.device("cpu")), torch.ones(1))  # type: ignore[arg-type]
+    for bad in (-0.1, 1.5):
+        with pytest.raises(InvalidRequestError, match="last_token_share"):
+            SelectConfig(last_token_share=bad)
+
+
+def test_a_last_token_share_of_one_reads_only_the_last_token(engine: FusionEngine) -> None:
+    st = _stitched(engine, _caches(engine))
+    got = question_attention(st, (0.75,), last_share=1.0)
+    layer = probe_layers(engine.decoder.windows, (0.75,))[0]
+    mass = engine.decoder.probe(st.buf, st.question_ids, st.question_slots, layers=(layer,), readers=1)[layer]
+    want = mass[st.reusable_slots] / mass[st.reusable_slots].sum()
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(got, question_attention(st, (0.75,)), atol=1e-4)
 
 
 def test_the_engine_reports_chunks_without_drift(engine: FusionEngine) -> None:

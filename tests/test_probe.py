@@ -20,7 +20,7 @@ from fusionrag_core.engine import EngineConfig, FusionEngine
 from fusionrag_core.forward import Decoder
 from fusionrag_core.kv import KVBuffer
 from fusionrag_core.rope import apply_rope, cos_sin
-from fusionrag_core.select import SelectConfig, get_selector
+from fusionrag_core.select import SelectConfig, get_selector, question_weights
 from tests.test_engine import ARCHS, CHUNKS, _stitched
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,7 +37,7 @@ def engine(request: pytest.FixtureRequest, smollm_tokenizer: PreTrainedTokenizer
 
 @torch.inference_mode()
 def reference_probe(d: Decoder, buf: KVBuffer, token_ids: torch.Tensor, slots: torch.Tensor,
-                    layers: Sequence[int]) -> dict[int, torch.Tensor]:
+                    layers: Sequence[int], weights: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
     """What `Decoder.probe` must return, computed the plain way (the buffer is not written)."""
     S, N = buf.length, int(token_ids.shape[0])
     Hq, H, D = d.num_heads, d.num_kv_heads, d.head_dim
@@ -66,7 +66,8 @@ def reference_probe(d: Decoder, buf: KVBuffer, token_ids: torch.Tensor, slots: t
         scores = (q.float() @ kk.float().transpose(1, 2)) * d.scaling
         probs = torch.softmax(scores.masked_fill(~allowed[None], float("-inf")), dim=-1)  # [Hq, N, S]
         if i in layers:
-            masses[i] = probs.sum(dim=(0, 1))
+            w = torch.ones(N) if weights is None else weights.float()  # [N]
+            masses[i] = (probs * w[None, :, None]).sum(dim=(0, 1))
         o = attn.o_proj((probs.to(vv.dtype) @ vv).transpose(0, 1).reshape(1, N, Hq * D))
         if d.sandwich_norms:
             x = x + layer.post_attention_layernorm(o)
@@ -95,7 +96,23 @@ def test_probe_masses_equal_the_reference(engine: FusionEngine, dense: bool, mon
         assert (got[0][first] == 0).all() and (got[1][first] > 0).all()
 
 
-@pytest.mark.parametrize("name", ["query_guided", "query_guided_layers", "fusion_aware_early", "adaptive"])
+def test_weighted_probe_masses_equal_the_reference(engine: FusionEngine) -> None:
+    layers = (0, engine.decoder.num_layers - 1)
+    st = _stitched(engine, CHUNKS)
+    weights = question_weights(int(st.question_ids.numel()), 0.5, engine.device)
+    assert weights is not None
+    want = reference_probe(engine.decoder, st.buf, st.question_ids, st.question_slots, layers, weights)
+    got = engine.decoder.probe(st.buf, st.question_ids, st.question_slots, layers=layers, weights=weights)
+    plain = engine.decoder.probe(st.buf, st.question_ids, st.question_slots, layers=layers)
+    for layer in layers:
+        torch.testing.assert_close(got[layer], want[layer], atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(got[layer], plain[layer] / st.question_ids.numel(), atol=1e-4)
+    with pytest.raises(ValueError, match="one per scored token"):
+        engine.decoder.probe(st.buf, st.question_ids, st.question_slots, layers=layers, weights=weights[1:])
+
+
+@pytest.mark.parametrize("name", ["query_guided", "query_guided_layers", "fusion_aware_early", "adaptive",
+                                  "drift_aware"])
 @pytest.mark.parametrize("ratio", [0.1, 0.3])
 def test_selectors_pick_what_the_reference_masses_pick(engine: FusionEngine, name: str, ratio: float,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,8 +120,8 @@ def test_selectors_pick_what_the_reference_masses_pick(engine: FusionEngine, nam
     st = _stitched(engine, CHUNKS)
     picked = get_selector(name)(st, config.budget(st.num_reused_tokens), config)
     with monkeypatch.context() as m:
-        m.setattr(Decoder, "probe", lambda self, buf, ids, slots, *, layers: reference_probe(self, buf, ids, slots,
-                                                                                             layers))
+        m.setattr(Decoder, "probe", lambda self, buf, ids, slots, *, layers, weights=None: reference_probe(
+            self, buf, ids, slots, layers, weights))
         st = _stitched(engine, CHUNKS)
         want = get_selector(name)(st, config.budget(st.num_reused_tokens), config)
     assert picked.numel() > 0 and torch.equal(picked, want)
