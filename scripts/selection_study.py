@@ -10,12 +10,17 @@ as the engine does), then per row runs full attention once and every spec as the
 two-stage signals of `--signal-ratio`: how far the question's attention moved once stage 1's
 tokens are recomputed (total variation between the two probes' chunk distributions).
 
+`--answer-tokens N` also scores beyond the first token: full attention's greedy answer (up to N
+tokens) is fed through each spec's cache after its recompute pass (teacher-forced), and the mean
+KL vs full attention over answer positions 2..N is kept as `answer_kl` (a selector tuned to the
+first token's distribution must not pay for it later in the answer).
+
     flock /work/wt/bench.lock env OMP_NUM_THREADS=1 python scripts/selection_study.py \\
         --data ../shared/datasets/musique_dev.jsonl --skip 20 --rows 10 \\
         --specs fusion_aware_early@0.05,fusion_aware_early@0.15,two_stage@0.15 --out /tmp/study.json
 
 A spec is `selector@ratio` optionally followed by `:knob=value` SelectConfig overrides
-(`two_stage@0.15:two_stage_share=0.33`).
+(`two_stage@0.15:two_stage_share=0.33`); `none` sets a knob to None (`drift_aware@0.15:last_token_share=none`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from fusionrag_core import vectordb
 from fusionrag_core.bench.data import load_rows
@@ -51,19 +58,50 @@ def parse_spec(spec: str) -> tuple[str, SelectConfig]:
         key, value = knob.split("=")
         if key not in types:
             raise SystemExit(f"unknown SelectConfig knob {key!r} in {spec!r}")
+        if value == "none":
+            kwargs[key] = None
+            continue
         kwargs[key] = tuple(float(v) for v in value.split("/")) if key == "probe_depths" else (
             int(value) if "int" in str(types[key]) and "float" not in str(types[key]) else float(value))
     get_selector(name)
     return name, SelectConfig(**kwargs)
 
 
-def stitched(engine: FusionEngine, prompt: Any, caches: dict[str, tuple[ChunkKV, ChunkKV]]) -> Stitched:
+def stitched(engine: FusionEngine, prompt: Any, caches: dict[str, tuple[ChunkKV, ChunkKV]],
+             extra_capacity: int = 1) -> Stitched:
     def lookup(cid: str, first: bool) -> ChunkKV | None:
         pair = caches.get(cid)
         return None if pair is None else pair[0 if first else 1]
 
-    return stitch(engine.decoder, prompt, engine.prefix_cache(prompt.prefix), lookup, extra_capacity=1,
-                  exact_prefix=True)
+    return stitch(engine.decoder, prompt, engine.prefix_cache(prompt.prefix), lookup,
+                  extra_capacity=extra_capacity, exact_prefix=True)
+
+
+def forced_logits(engine: FusionEngine, st: Stitched, first: torch.Tensor, tokens: list[int]) -> list[torch.Tensor]:
+    """`[V]` logits at each answer position: `first` (the recompute pass's), then after each of
+    `tokens[:-1]` is decoded over `st`'s buffer (teacher forcing)."""
+    out, position = [first], int(st.buf.positions[st.question_slots[-1]]) + 1
+    for token in tokens[:-1]:
+        slot = st.buf.reserve(torch.tensor([position], device=engine.device), valid=True)
+        out.append(engine.decoder.decode_step(st.buf, token, slot))
+        position += 1
+    return out
+
+
+def full_attention_answer(engine: FusionEngine, prompt: Any, caches: dict[str, tuple[ChunkKV, ChunkKV]],
+                          n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Full attention's greedy answer (up to `n` tokens, to its end of sequence) and its logits at
+    each position: a recompute of every slot, which equals a plain prefill (tested)."""
+    st = stitched(engine, prompt, caches, extra_capacity=n)
+    logits, _ = recompute(st, st.reusable_slots)
+    tokens, out, position = [], [logits], prompt.num_tokens
+    while True:
+        tokens.append(int(out[-1].argmax()))
+        if tokens[-1] in engine.eos_ids or len(tokens) == n:
+            return tokens, out
+        slot = st.buf.reserve(torch.tensor([position], device=engine.device), valid=True)
+        out.append(engine.decoder.decode_step(st.buf, tokens[-1], slot))
+        position += 1
 
 
 def signals(engine: FusionEngine, prompt: Any, caches: dict[str, tuple[ChunkKV, ChunkKV]], ratio: float,
@@ -96,6 +134,8 @@ def main() -> None:
     ap.add_argument("--specs", required=True, help="comma-separated selector@ratio[:knob=value...]")
     ap.add_argument("--signal-ratio", type=float, default=0.05)
     ap.add_argument("--signal-depths", default="0.75")
+    ap.add_argument("--answer-tokens", type=int, default=0,
+                    help="also keep the teacher-forced KL over full attention's answer positions 2..N")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     specs = [(s, *parse_spec(s)) for s in args.specs.split(",") if s]
@@ -125,14 +165,19 @@ def main() -> None:
             reference = engine.full_attention(prompt, sampling=one).collect().first_token_logits
             record: dict[str, Any] = {"row": args.skip + i, "prompt_tokens": prompt.num_tokens,
                                       "signals": signals(engine, prompt, caches, args.signal_ratio, depths),
-                                      "kl": {}, "agree": {}, "share": {}, "select_s": {}}
+                                      "kl": {}, "agree": {}, "share": {}, "select_s": {}, "answer_kl": {}}
+            if args.answer_tokens:
+                answer, answer_logits = full_attention_answer(engine, prompt, caches, args.answer_tokens)
             for label, name, cfg in specs:
-                st = stitched(engine, prompt, caches)
+                st = stitched(engine, prompt, caches, extra_capacity=max(1, args.answer_tokens))
                 t = time.perf_counter()
                 picked = get_selector(name)(st, cfg.budget(st.num_reused_tokens), cfg)
                 record["select_s"][label] = time.perf_counter() - t
                 logits, _ = recompute(st, picked)
                 record["kl"][label] = first_token_kl(reference, logits)
+                if args.answer_tokens and len(answer) > 1:
+                    later = zip(answer_logits[1:], forced_logits(engine, st, logits, answer)[1:], strict=True)
+                    record["answer_kl"][label] = statistics.mean(first_token_kl(r, m) for r, m in later)
                 record["agree"][label] = bool(first_token_agree(reference, logits))
                 record["share"][label] = int(picked.numel()) / st.num_reused_tokens
             out_rows.append(record)
@@ -140,11 +185,14 @@ def main() -> None:
     summary = {label: {"kl": statistics.mean(r["kl"][label] for r in out_rows),
                        "agree": statistics.mean(r["agree"][label] for r in out_rows),
                        "share": statistics.mean(r["share"][label] for r in out_rows),
-                       "select_ms": 1000 * statistics.median(r["select_s"][label] for r in out_rows)}
+                       "select_ms": 1000 * statistics.median(r["select_s"][label] for r in out_rows),
+                       "answer_kl": statistics.mean(answer_kl) if (answer_kl := [
+                           r["answer_kl"][label] for r in out_rows if label in r["answer_kl"]]) else None}
                for label, _, _ in specs}
     for label, s in summary.items():
+        later = f"  answer KL {s['answer_kl']:.4f}" if s["answer_kl"] is not None else ""
         print(f"{label:50s} KL {s['kl']:.4f}  agree {s['agree']:.0%}  share {s['share']:.3f}  "
-              f"select {s['select_ms']:.0f} ms")
+              f"select {s['select_ms']:.0f} ms{later}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": engine.name, "args": {k: str(v) for k, v in vars(args).items()},
                                     "summary": summary, "rows": out_rows}, indent=1))
