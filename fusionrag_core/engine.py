@@ -60,9 +60,10 @@ class EngineConfig:
             stopped at 3/4 depth, or the deepest full-attention layer below it, no budget spent on
             tokens whose cache is already exact, and the question's attention, half of it its last
             token's, weighted by each token's fusion drift: see `fusionrag_core.drift`),
-            "fusion_aware_early" (the same without the drift and the last token's share), "query_guided" (the paper's: last-layer probe), "kv_deviation"
-            (CacheBlend), "first_k" (EPIC), "random", "none" (full reuse), "all" (full recompute),
-            or another name in `select.SELECTORS`. (Held-out MuSiQue dev rows 0-9, shared corpus,
+            "fusion_aware_early" (the same without the drift and the last token's share),
+            "query_guided" (the paper's: last-layer probe), "kv_deviation" (CacheBlend), "first_k"
+            (EPIC), "random", "none" (full reuse), "all" (full recompute), or another name in
+            `select.SELECTORS`. (Held-out MuSiQue dev rows 0-9, shared corpus,
             15%: first-token KL 0.046 (paper) -> 0.025 (fusion_aware_early) -> 0.018 (drift) ->
             0.0165 (the last token's share) on SmolLM2-135M, 0.048 -> 0.035 -> 0.032 -> 0.030 on
             gemma3-270m; each chosen on rows 20-29, where it also won on both.)
