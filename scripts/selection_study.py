@@ -77,15 +77,18 @@ def stitched(engine: FusionEngine, prompt: Any, caches: dict[str, tuple[ChunkKV,
                   extra_capacity=extra_capacity, exact_prefix=True)
 
 
-def forced_logits(engine: FusionEngine, st: Stitched, first: torch.Tensor, tokens: list[int]) -> list[torch.Tensor]:
+def decode_at(engine: FusionEngine, st: Stitched, token: int, position: int) -> torch.Tensor:
+    """Write `token`'s K/V at `position` (a new slot of `st`'s buffer); its `[V]` logits (as the
+    engine's decode loop does)."""
+    slot = st.buf.reserve(torch.tensor([position], device=engine.device), valid=True)
+    return engine.decoder.decode_step(st.buf, token, slot)
+
+
+def forced_logits(engine: FusionEngine, st: Stitched, prompt: Any, first: torch.Tensor,
+                  tokens: list[int]) -> list[torch.Tensor]:
     """`[V]` logits at each answer position: `first` (the recompute pass's), then after each of
     `tokens[:-1]` is decoded over `st`'s buffer (teacher forcing)."""
-    out, position = [first], int(st.buf.positions[st.question_slots[-1]]) + 1
-    for token in tokens[:-1]:
-        slot = st.buf.reserve(torch.tensor([position], device=engine.device), valid=True)
-        out.append(engine.decoder.decode_step(st.buf, token, slot))
-        position += 1
-    return out
+    return [first, *(decode_at(engine, st, token, prompt.num_tokens + j) for j, token in enumerate(tokens[:-1]))]
 
 
 def full_attention_answer(engine: FusionEngine, prompt: Any, caches: dict[str, tuple[ChunkKV, ChunkKV]],
@@ -94,14 +97,12 @@ def full_attention_answer(engine: FusionEngine, prompt: Any, caches: dict[str, t
     each position: a recompute of every slot, which equals a plain prefill (tested)."""
     st = stitched(engine, prompt, caches, extra_capacity=n)
     logits, _ = recompute(st, st.reusable_slots)
-    tokens, out, position = [], [logits], prompt.num_tokens
+    tokens, out = [], [logits]
     while True:
         tokens.append(int(out[-1].argmax()))
         if tokens[-1] in engine.eos_ids or len(tokens) == n:
             return tokens, out
-        slot = st.buf.reserve(torch.tensor([position], device=engine.device), valid=True)
-        out.append(engine.decoder.decode_step(st.buf, tokens[-1], slot))
-        position += 1
+        out.append(decode_at(engine, st, tokens[-1], prompt.num_tokens + len(tokens) - 1))
 
 
 def signals(engine: FusionEngine, prompt: Any, caches: dict[str, tuple[ChunkKV, ChunkKV]], ratio: float,
@@ -176,7 +177,7 @@ def main() -> None:
                 logits, _ = recompute(st, picked)
                 record["kl"][label] = first_token_kl(reference, logits)
                 if args.answer_tokens and len(answer) > 1:
-                    later = zip(answer_logits[1:], forced_logits(engine, st, logits, answer)[1:], strict=True)
+                    later = zip(answer_logits[1:], forced_logits(engine, st, prompt, logits, answer)[1:], strict=True)
                     record["answer_kl"][label] = statistics.mean(first_token_kl(r, m) for r, m in later)
                 record["agree"][label] = bool(first_token_agree(reference, logits))
                 record["share"][label] = int(picked.numel()) / st.num_reused_tokens

@@ -37,7 +37,7 @@ def _answer_kls(engine: FusionEngine, study: ModuleType, reuse_all: bool) -> lis
     assert tokens == want.token_ids[: len(tokens)] and len(reference) == len(tokens)
     st = study.stitched(engine, prompt, caches, extra_capacity=6)
     logits, _ = recompute(st, st.reusable_slots[:0] if reuse_all else st.reusable_slots)
-    return [first_token_kl(r, m) for r, m in zip(reference, study.forced_logits(engine, st, logits, tokens),
+    return [first_token_kl(r, m) for r, m in zip(reference, study.forced_logits(engine, st, prompt, logits, tokens),
                                                  strict=True)]
 
 
