@@ -63,10 +63,10 @@ class EngineConfig:
             "fusion_aware_early" (the same without the drift and the last token's share),
             "query_guided" (the paper's: last-layer probe), "kv_deviation" (CacheBlend), "first_k"
             (EPIC), "random", "none" (full reuse), "all" (full recompute), or another name in
-            `select.SELECTORS`. (Held-out MuSiQue dev rows 0-9, shared corpus,
-            15%: first-token KL 0.046 (paper) -> 0.025 (fusion_aware_early) -> 0.018 (drift) ->
-            0.0165 (the last token's share) on SmolLM2-135M, 0.048 -> 0.035 -> 0.032 -> 0.030 on
-            gemma3-270m; each chosen on rows 20-29, where it also won on both.)
+            `select.SELECTORS`. (Held-out MuSiQue dev rows 0-9, shared corpus, 15%: first-token KL
+            0.046 (paper) -> 0.025 (fusion_aware_early) -> 0.018 (drift) -> 0.0165 (the last
+            token's share) on SmolLM2-135M, 0.048 -> 0.035 -> 0.032 -> 0.030 on gemma3-270m; each
+            chosen on rows 20-29, where it also won on both.)
         select: ratio and selector knobs.
         cache_variant: which stored cache to prefer: "fused" (FusionRAG) or "independent".
         exact_first_chunk: with "fused", a chunk right after the system prefix that caches are
