@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from fusionrag_core.bench.methods import DEFAULT_METHODS, DEFAULT_RATIOS, METHODS
 from fusionrag_core.errors import FusionRAGError, InvalidRequestError
 from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_dir
 
@@ -342,13 +343,10 @@ def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentP
     bench.add_argument("--data", required=True, metavar="FILE.jsonl",
                        help='rows of {"question", "answers", "passages": [{"title", "text"}]}')
     bench.add_argument("--methods", nargs="+", metavar="METHOD",
-                       help="full_attention, full_reuse, cacheblend, epic, query_guided, fusionrag, random, and the "
-                            "selection variants fusionrag_layers, fusionrag_early, fusionrag_adaptive, "
-                            "fusionrag_aware, fusionrag_aware_early, fusionrag_two_stage, fusionrag_two_stage_adaptive "
-                            "(default: all but random and the "
-                            "variants; full_attention always runs)")
-    bench.add_argument("--ratios", type=_ratio_list, default=(0.05, 0.15, 0.3),
-                       help="recompute ratios, comma-separated (default: 0.05,0.15,0.3)")
+                       help=f"{', '.join(m.describe() for m in METHODS.values())} "
+                            f"(default: {' '.join(DEFAULT_METHODS)}; full_attention always runs)")
+    bench.add_argument("--ratios", type=_ratio_list, default=DEFAULT_RATIOS,
+                       help=f"recompute ratios, comma-separated (default: {','.join(map(str, DEFAULT_RATIOS))})")
     bench.add_argument("--limit", type=positive_int, help="first N rows (default: all)")
     bench.add_argument("--skip", type=int, default=0, metavar="N",
                        help="skip the first N rows, e.g. --skip 20 --limit 10 runs rows 20-29 (default: 0)")
@@ -635,7 +633,7 @@ def cmd_bench(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv
     """`fusionrag bench --data FILE`: run the benchmark, write the report, print the table."""
     from fusionrag_core.bench.data import load_rows
     from fusionrag_core.bench.report import table, write_report
-    from fusionrag_core.bench.runner import DEFAULT_METHODS, BenchConfig, run_benchmark
+    from fusionrag_core.bench.runner import BenchConfig, run_benchmark
 
     methods = tuple(m for item in args.methods for m in item.split(",") if m) if args.methods else DEFAULT_METHODS
     config = BenchConfig(

@@ -211,3 +211,10 @@ def test_same_prompt_neighbour_share() -> None:
     assert same_prompt_neighbour_share(["a", "b", "c"], neighbours) == pytest.approx((0.5 + 1.0) / 2)
     assert same_prompt_neighbour_share(["c"], neighbours) is None
     assert same_prompt_neighbour_share(["a", "a", "x"], neighbours) == pytest.approx((0.5 + 1.0) / 2)
+
+
+def test_default_methods_include_the_engines_default_selection() -> None:
+    from fusionrag_core.engine import EngineConfig
+
+    engine_default = [m for m in DEFAULT_METHODS if METHODS[m].selector == EngineConfig().selector]
+    assert [METHODS[m].variant for m in engine_default] == ["fused"], engine_default

@@ -72,6 +72,24 @@ def test_help_of_every_command(capsys: pytest.CaptureFixture[str]) -> None:
         assert out.startswith(f"usage: fusionrag {command}") and "example" in out and "--db" in out
 
 
+
+def test_bench_help_lists_every_method_and_its_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from fusionrag_core.bench.methods import DEFAULT_METHODS, METHODS
+
+    assert main(["bench", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # NOTE: argparse wraps the help text
+    for method in METHODS.values():
+        assert method.describe() in out
+    assert f"(default: {' '.join(DEFAULT_METHODS)};" in out
+    assert "(default: 0.05,0.15,0.3)" in out
+
+
+def test_the_cli_and_its_method_table_import_no_torch() -> None:
+    code = ("import sys, fusionrag_core.cli, fusionrag_core.bench.methods; "
+            "print(sorted(m for m in ('torch', 'transformers', 'chromadb') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [

@@ -1,4 +1,5 @@
-"""Benchmark support: the MuSiQue dev-set loader (`data`) and the answer/speed metrics (`metrics`).
+"""Benchmark support: the MuSiQue dev-set loader (`data`), the methods compared (`methods`), the
+answer/speed metrics (`metrics`), the runner (`runner`) and the report (`report`).
 
 The benchmark compares full attention, full KV reuse and selective-recompute methods on the same
 rows; `metrics.summarize` turns per-row `metrics.RowResult`s into the per-method dicts of

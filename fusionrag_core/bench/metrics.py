@@ -21,12 +21,9 @@ from typing import Any
 
 import torch
 
+from fusionrag_core.bench.methods import FULL_ATTENTION, FULL_REUSE
 from fusionrag_core.errors import InvalidRequestError
 
-#: Method name of the quality/speed reference: every prompt token is prefilled from scratch.
-FULL_ATTENTION = "full_attention"
-#: Method name of the lower bound: independent chunk caches are stitched, nothing is recomputed.
-FULL_REUSE = "full_reuse"
 #: Baselines that have no recompute ratio; every other method must carry one.
 BASELINE_METHODS: tuple[str, ...] = (FULL_ATTENTION, FULL_REUSE)
 

@@ -18,7 +18,7 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from fusionrag_core.bench.metrics import FULL_ATTENTION, FULL_REUSE
+from fusionrag_core.bench.methods import FULL_ATTENTION, FULL_REUSE
 
 RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"

@@ -44,14 +44,8 @@ from tqdm.auto import tqdm
 
 from fusionrag_core import vectordb
 from fusionrag_core.bench.data import BenchRow, load_rows, passage_text
-from fusionrag_core.bench.metrics import (
-    FULL_ATTENTION,
-    FULL_REUSE,
-    RowResult,
-    first_token_agree,
-    first_token_kl,
-    summarize,
-)
+from fusionrag_core.bench.methods import DEFAULT_METHODS, DEFAULT_RATIOS, FULL_ATTENTION, METHODS, Method
+from fusionrag_core.bench.metrics import RowResult, first_token_agree, first_token_kl, summarize
 from fusionrag_core.compat import tokenize_plain
 from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine, Generation
@@ -64,50 +58,6 @@ from fusionrag_core.store import StorageDType
 
 #: Stop at the end of the first line: the benchmark scores short answers.
 ANSWER_STOP = ("\n",)
-
-
-@dataclass(frozen=True)
-class Method:
-    """One way of answering a prompt.
-
-    Attributes:
-        name: name in results.json.
-        selector: the engine's selector; None = full attention (plain prefill, no cache).
-        variant: which ingest's caches it reuses: "independent" or "fused".
-        recomputes: whether it runs at each recompute ratio (baselines run once, ratio None).
-    """
-
-    name: str
-    selector: str | None
-    variant: Variant | None
-    recomputes: bool
-
-
-METHODS: dict[str, Method] = {
-    m.name: m
-    for m in (
-        Method(FULL_ATTENTION, None, None, False),
-        Method(FULL_REUSE, "none", "independent", False),
-        Method("cacheblend", "kv_deviation", "independent", True),
-        Method("epic", "first_k", "independent", True),
-        Method("query_guided", "query_guided", "independent", True),
-        Method("fusionrag", "query_guided", "fused", True),
-        Method("random", "random", "independent", True),
-        Method("fusionrag_layers", "query_guided_layers", "fused", True),
-        Method("fusionrag_early", "query_guided_early", "fused", True),
-        Method("fusionrag_adaptive", "adaptive", "fused", True),
-        Method("fusionrag_aware", "fusion_aware", "fused", True),
-        Method("fusionrag_aware_early", "fusion_aware_early", "fused", True),
-        Method("fusionrag_two_stage", "two_stage", "fused", True),
-        Method("fusionrag_two_stage_adaptive", "two_stage_adaptive", "fused", True),
-        Method("fusionrag_drift", "drift_aware", "fused", True),
-        Method("fusionrag_drift_adaptive", "drift_adaptive", "fused", True),
-    )
-}
-"""Every method the runner knows, by name."""
-
-DEFAULT_METHODS: tuple[str, ...] = (FULL_ATTENTION, FULL_REUSE, "cacheblend", "epic", "query_guided", "fusionrag")
-DEFAULT_RATIOS: tuple[float, ...] = (0.05, 0.15, 0.3)
 
 CorpusMode = Literal["row", "shared"]
 ContextMode = Literal["gold", "retrieved"]
