@@ -333,11 +333,8 @@ def select_adaptive(st: Stitched, budget: int, config: SelectConfig) -> torch.Te
     slots = st.reusable_slots
     if budget <= 0 or slots.numel() == 0:
         return slots[:0]
-    scores = question_attention(st, config.probe_depths or (1.0,))
-    covered = torch.cumsum(torch.sort(scores.float(), descending=True).values, dim=0)  # [R], ends at 1
-    need = int(torch.searchsorted(covered, torch.tensor([config.adaptive_mass], device=covered.device))[0]) + 1
-    floor = min(budget, math.ceil(config.adaptive_floor * slots.numel()))
-    return _top(slots, scores, max(floor, min(need, budget)))
+    scores = question_attention(st, config.probe_depths or (1.0,))  # [R], sums to 1
+    return _top(slots, scores, _covering(scores, config.adaptive_mass, slots.numel(), budget, config))
 
 
 def _ranked_inexact(st: Stitched, depths: tuple[float, ...], fresh: torch.Tensor | None = None
