@@ -24,12 +24,12 @@ demo: install
 
 test: install
 	bash scripts/ensure_servers.sh
-	$(PY) -m ruff check fusionrag_core fusionrag_integrations tests
+	$(PY) -m ruff check fusionrag_core fusionrag_integrations tests benchmarks
 	$(PY) -m mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
-	$(PY) -m ruff check fusionrag_core fusionrag_integrations tests
+	$(PY) -m ruff check fusionrag_core fusionrag_integrations tests benchmarks
 	$(PY) -m mypy
 
 clean:

@@ -22,25 +22,26 @@ _EXPORTS = {
     "FusionEngine": "fusionrag_core.engine",
     "EngineConfig": "fusionrag_core.engine",
     "Generation": "fusionrag_core.engine",
-    "SamplingConfig": "fusionrag_core.decode",
-    "SelectConfig": "fusionrag_core.select",
-    "ChunkKV": "fusionrag_core.kv",
-    "FusionPrompt": "fusionrag_core.prompt",
-    "mark_chunk": "fusionrag_core.prompt",
-    "strip_marks": "fusionrag_core.prompt",
+    "SamplingConfig": "fusionrag_core.query.sampling",
+    "SelectConfig": "fusionrag_core.query.select",
+    "ChunkKV": "fusionrag_core.runtime.kv",
+    "FusionPrompt": "fusionrag_core.query.prompt",
+    "mark_chunk": "fusionrag_core.recognise.marks",
+    "strip_marks": "fusionrag_core.recognise.marks",
     "FusionIndex": "fusionrag_core.index",
-    "IngestConfig": "fusionrag_core.ingest",
+    "IngestConfig": "fusionrag_core.ingest.config",
     "open_store": "fusionrag_core.store",
 }
 
 if TYPE_CHECKING:
-    from fusionrag_core.decode import SamplingConfig
     from fusionrag_core.engine import EngineConfig, FusionEngine, Generation
     from fusionrag_core.index import FusionIndex
-    from fusionrag_core.ingest import IngestConfig
-    from fusionrag_core.kv import ChunkKV
-    from fusionrag_core.prompt import FusionPrompt, mark_chunk, strip_marks
-    from fusionrag_core.select import SelectConfig
+    from fusionrag_core.ingest.config import IngestConfig
+    from fusionrag_core.query.prompt import FusionPrompt
+    from fusionrag_core.query.sampling import SamplingConfig
+    from fusionrag_core.query.select import SelectConfig
+    from fusionrag_core.recognise.marks import mark_chunk, strip_marks
+    from fusionrag_core.runtime.kv import ChunkKV
     from fusionrag_core.store import open_store
 
 

@@ -30,8 +30,8 @@ from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_di
 if TYPE_CHECKING:
     from fusionrag_core.engine import FusionEngine, Generation
     from fusionrag_core.index import FusionIndex
-    from fusionrag_core.ingest import IngestConfig
-    from fusionrag_core.vectordb import RetrievedChunk
+    from fusionrag_core.ingest.chroma import RetrievedChunk
+    from fusionrag_core.ingest.config import IngestConfig
 
 PROG = "fusionrag"
 TEXT_SUFFIXES = (".txt", ".md", ".markdown")
@@ -490,7 +490,7 @@ def _ingest_config(args: argparse.Namespace) -> IngestConfig | None:
     }
     if not given:
         return None
-    from fusionrag_core.ingest import IngestConfig
+    from fusionrag_core.ingest.config import IngestConfig
 
     return IngestConfig(**given)
 
@@ -510,7 +510,7 @@ def cmd_ingest(args: argparse.Namespace, engine: Callable[[], FusionEngine], arg
     index = open_index(args, engine(), config)
     ray = None
     if args.ray:
-        from fusionrag_core.distributed import RayConfig
+        from fusionrag_core.ingest.distributed import RayConfig
 
         # NOTE: each worker builds the driver's model with the same factory (Ray pickles it).
         ray = RayConfig(engine, address=args.ray, workers=args.workers, threads_per_worker=args.threads_per_worker)
@@ -524,7 +524,7 @@ def cmd_ingest(args: argparse.Namespace, engine: Callable[[], FusionEngine], arg
     )
     print(
         f"ingested {len(docs)} document(s) into {where(args)}: {report.new_chunks} new chunk(s), "
-        f"{report.skipped_chunks} already indexed, {report.refused_chunks} re-fused, {report.removed_chunks} removed, "
+        f"{report.skipped_chunks} already indexed, {report.re_fused_chunks} re-fused, {report.removed_chunks} removed, "
         f"in {report.seconds:.1f} s ({len(index)} chunks in the index)"
     )
     if args.sync:
@@ -574,7 +574,7 @@ def cmd_delete(args: argparse.Namespace, engine: Callable[[], FusionEngine], arg
 # ---- ask ------------------------------------------------------------------------------------------
 def cmd_ask(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
     """`fusionrag ask QUESTION`: stream the answer, then statistics and sources."""
-    from fusionrag_core.decode import SamplingConfig
+    from fusionrag_core.query.sampling import SamplingConfig
 
     if not args.question.strip():
         raise InvalidRequestError("the question is empty; pass it in quotes: fusionrag ask \"...\"")

@@ -20,11 +20,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fusionrag_core import audit as audit_lib
-from fusionrag_core import model as model_lib
-from fusionrag_core.audit import Auditor, AuditResult
-from fusionrag_core.bad_blobs import BadBlobs
-from fusionrag_core.decode import Sampler, SamplingConfig, TextAssembler
 from fusionrag_core.errors import (
     CacheCorruptError,
     CacheMismatchError,
@@ -32,15 +27,20 @@ from fusionrag_core.errors import (
     ContextLengthError,
     InvalidRequestError,
 )
-from fusionrag_core.forward import Decoder
-from fusionrag_core.kv import ChunkKV, Variant
-from fusionrag_core.prefill import prefill_chunk, prefill_chunks, prefill_prefix
-from fusionrag_core.prompt import DEFAULT_INSTRUCTION, FusionPrompt, PromptLayout
-from fusionrag_core.recognise import Match
-from fusionrag_core.recompute import recompute
-from fusionrag_core.select import SelectConfig, get_selector
-from fusionrag_core.stitch import CacheLookup, CacheMiss, Stitched, prefetch, stitch
-from fusionrag_core.store.base import is_storable_chunk_id
+from fusionrag_core.query import audit as audit_lib
+from fusionrag_core.query.audit import Auditor, AuditResult
+from fusionrag_core.query.bad_blobs import BadBlobs
+from fusionrag_core.query.prefill import prefill_chunk, prefill_chunks, prefill_prefix
+from fusionrag_core.query.prompt import DEFAULT_INSTRUCTION, FusionPrompt, PromptLayout
+from fusionrag_core.query.recompute import recompute
+from fusionrag_core.query.sampling import Sampler, SamplingConfig, TextAssembler
+from fusionrag_core.query.select import SelectConfig, get_selector
+from fusionrag_core.query.stitch import CacheLookup, CacheMiss, Stitched, prefetch, stitch
+from fusionrag_core.recognise.content_index import Match
+from fusionrag_core.runtime import loading as model_lib
+from fusionrag_core.runtime.decoder import Decoder
+from fusionrag_core.runtime.kv import ChunkKV, Variant
+from fusionrag_core.store.codec import is_storable_chunk_id
 from fusionrag_core.store.tiered import TieredKVStore, TierStats
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class EngineConfig:
         selector: "drift_aware" (the default: FusionRAG's query-guided selection with the probe
             stopped at 3/4 depth, or the deepest full-attention layer below it, no budget spent on
             tokens whose cache is already exact, and the question's attention, half of it its last
-            token's, weighted by each token's fusion drift: see `fusionrag_core.drift`),
+            token's, weighted by each token's fusion drift: see `fusionrag_core.query.drift`),
             "fusion_aware_early" (the same without the drift and the last token's share),
             "query_guided" (the paper's: last-layer probe), "kv_deviation" (CacheBlend), "first_k"
             (EPIC), "random", "none" (full reuse), "all" (full recompute), or another name in
@@ -80,13 +80,13 @@ class EngineConfig:
         audit_rate: share of requests (evenly spread, in [0, 1]) that are also answered with full
             attention once their answer has streamed, off the critical path; the first-token KL
             and agreement land in `Generation.audit`, `stats()`, `FusionEngine.audit_summary()`
-            and the `fusionrag_core.audit` log (see `fusionrag_core.audit`).
+            and the `fusionrag_core.query.audit` log (see `fusionrag_core.query.audit`).
         compile_decode: `torch.compile` each layer's MLP for one-token passes (the decode step;
             CUDA graphs on a GPU). Off by default: on CPU it does not pay (SmolLM2 at 4K context,
             one thread: 86.5 ms eager vs 102.4 ms compiled per step; the eager step is 91% weight
             and K/V reads). The first step of each engine pays the compilation (~20 s).
         packed_linears: on CPU, run the decoder's fp32 projections of multi-token passes (probe,
-            recompute, prefills) through oneDNN with weights packed once (`fusionrag_core.linear`):
+            recompute, prefills) through oneDNN with weights packed once (`fusionrag_core.runtime.linear`):
             SmolLM2 at ~860-token prompts, one thread, 15%: probe ~1.3x, recompute ~1.15x faster.
             Costs a second copy of the layers' projection weights (SmolLM2-135M: +0.43 GB); off
             keeps torch's `F.linear` (MKL). No effect on GPUs or non-fp32 weights.
@@ -657,7 +657,7 @@ class FusionEngine:
         return result
 
     def audit_summary(self) -> dict[str, Any]:
-        """Live audit totals over the engine's life (see `fusionrag_core.audit.Auditor.summary`)."""
+        """Live audit totals over the engine's life (see `fusionrag_core.query.audit.Auditor.summary`)."""
         return self.auditor.summary()
 
 

@@ -21,22 +21,24 @@ from typing import TYPE_CHECKING, Any
 
 from chromadb.api.models.Collection import Collection
 
-from fusionrag_core import vectordb
-from fusionrag_core.corpus import corpus_id_of, legacy_warning, store_namespace
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
 from fusionrag_core.errors import CacheMismatchError, InsufficientSpaceError, InvalidRequestError
-from fusionrag_core.ingest import CHUNK_INDEX_KEY, IngestConfig, Ingestor, IngestReport, VerifyReport, owners_of
-from fusionrag_core.kv import Variant
-from fusionrag_core.lock import writing
+from fusionrag_core.ingest import chroma
+from fusionrag_core.ingest.chroma import RetrievedChunk
+from fusionrag_core.ingest.config import IngestConfig
+from fusionrag_core.ingest.corpus import corpus_id_of, legacy_warning, store_namespace
+from fusionrag_core.ingest.ingestor import Ingestor, IngestReport, VerifyReport, owners_of
+from fusionrag_core.ingest.lock import writing
+from fusionrag_core.ingest.records import CHUNK_INDEX_KEY
 from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_dir, kv_dir
-from fusionrag_core.prompt import FusionPrompt
+from fusionrag_core.query.prompt import FusionPrompt
+from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.runtime.kv import Variant
 from fusionrag_core.store import DiskKVStore, KVStore, StorageDType, open_store
 from fusionrag_core.store.tiered import TierConfig
-from fusionrag_core.vectordb import RetrievedChunk
 
 if TYPE_CHECKING:
-    from fusionrag_core.distributed import RayConfig
+    from fusionrag_core.ingest.distributed import RayConfig
 
 # Collection metadata keys: what built the collection.
 MODEL_KEY = "fusionrag_model"
@@ -51,7 +53,7 @@ class FusionIndex:
 
     Args:
         engine: the model (shared freely: the index passes `store` with each request it makes).
-        collection: the chunk collection (from `vectordb.open_collection`).
+        collection: the chunk collection (from `chroma.open_collection`).
         store: the chunk caches.
         config: chunking and fusion settings; None = the settings the collection was built with
             (the defaults for a new collection).
@@ -72,14 +74,14 @@ class FusionIndex:
         store: KVStore,
         config: IngestConfig | None = None,
         *,
-        embedding_function: vectordb.EmbeddingFn | None = None,
+        embedding_function: chroma.EmbeddingFn | None = None,
         writer_wait_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self.collection = collection
         self.store = store
         self.writer_wait_s = writer_wait_s
-        ef = embedding_function if embedding_function is not None else vectordb.default_embedding_function()
+        ef = embedding_function if embedding_function is not None else chroma.default_embedding_function()
         self.config = _bind(collection, engine, config, ef)
         self.ingestor = Ingestor(engine, collection, store, self.config, ef)
 
@@ -93,7 +95,7 @@ class FusionIndex:
         redis_url: str | None = None,
         collection_name: str = DEFAULT_COLLECTION,
         config: IngestConfig | None = None,
-        embedding_function: vectordb.EmbeddingFn | None = None,
+        embedding_function: chroma.EmbeddingFn | None = None,
         storage_dtype: StorageDType = "float16",
         writer_wait_s: float = 0.0,
         tiers: TierConfig | None = None,
@@ -119,9 +121,9 @@ class FusionIndex:
             CacheMismatchError / InvalidRequestError: as `FusionIndex(...)`.
             FusionRAGError: a server cannot be reached.
         """
-        ef = embedding_function if embedding_function is not None else vectordb.default_embedding_function()
-        vconfig = vectordb.VectorDBConfig(path=str(chroma_dir(data_dir)), url=chroma_url, collection=collection_name)
-        collection = vectordb.open_collection(vconfig, ef)
+        ef = embedding_function if embedding_function is not None else chroma.default_embedding_function()
+        vconfig = chroma.VectorDBConfig(path=str(chroma_dir(data_dir)), url=chroma_url, collection=collection_name)
+        collection = chroma.open_collection(vconfig, ef)
         store = corpus_store(collection, data_dir, redis_url=redis_url, storage_dtype=storage_dtype,
                              where=chroma_url or str(Path(data_dir).expanduser()))
         if tiers is not None:
@@ -161,7 +163,7 @@ class FusionIndex:
             try:
                 if ray is None:
                     return self.ingestor.add(texts, metadatas, doc_ids, progress=progress, space_check=space_check)
-                from fusionrag_core.distributed import RayIngestor
+                from fusionrag_core.ingest.distributed import RayIngestor
 
                 try:
                     with RayIngestor(self.engine, self.collection, self.store, self.config,
@@ -177,14 +179,14 @@ class FusionIndex:
         """The ids of every document with a chunk in the index."""
         return self.ingestor.document_ids()
 
-    def document_chunks(self, doc_ids: Sequence[str]) -> dict[str, list[vectordb.Row]]:
+    def document_chunks(self, doc_ids: Sequence[str]) -> dict[str, list[chroma.Row]]:
         """Per document id present in the index, its chunks (text and metadata) in document order.
 
         A chunk shared by several documents is listed under each of them; its metadata is its
-        first owner's (see `fusionrag_core.ingest`). Ids without chunks are left out.
+        first owner's (see `fusionrag_core.ingest.ingestor`). Ids without chunks are left out.
         """
         rows = self.ingestor.owned_by(list(doc_ids), include=("documents", "metadatas"))
-        out: dict[str, list[vectordb.Row]] = {}
+        out: dict[str, list[chroma.Row]] = {}
         for doc_id in dict.fromkeys(doc_ids):
             mine = [r for r in rows.values() if doc_id in owners_of(r.metadata)]
             if mine:
@@ -213,7 +215,7 @@ class FusionIndex:
     # ---- reading ------------------------------------------------------------------------------------
     def search(self, query: str, k: int = 4) -> list[RetrievedChunk]:
         """The `k` chunks most similar to `query`, best first."""
-        return vectordb.search(self.collection, query, k)
+        return chroma.search(self.collection, query, k)
 
     def prompt_for(self, question: str, chunks: Sequence[RetrievedChunk]) -> FusionPrompt:
         """The canonical prompt over `chunks` (in the given order), each tagged with its chunk id so
@@ -287,7 +289,7 @@ def corpus_store(
     """
     # NOTE: one store per corpus: fused caches depend on the corpus, and ingest and verify delete
     # blobs the collection does not know, so two corpora must never share a store. On Redis the
-    # namespace derives from the corpus id recorded in the collection (see fusionrag_core.corpus).
+    # namespace derives from the corpus id recorded in the collection (see fusionrag_core.ingest.corpus).
     if redis_url is None:
         return DiskKVStore(kv_dir(data_dir, collection.name), storage_dtype=storage_dtype)
     corpus_id = corpus_id_of(collection.metadata)
@@ -302,17 +304,17 @@ def _describe(writer: Mapping[str, Any]) -> str:
 
 
 def _bind(
-    collection: Collection, engine: FusionEngine, config: IngestConfig | None, ef: vectordb.EmbeddingFn
+    collection: Collection, engine: FusionEngine, config: IngestConfig | None, ef: chroma.EmbeddingFn
 ) -> IngestConfig:
     """Check (or, for an empty collection, record) the model and settings the collection is built
     with; returns the ingest config to use."""
     metadata = dict(collection.metadata or {})
     where = f"collection {collection.name!r}"
-    recorded_ef = metadata.get(vectordb.EMBEDDING_META_KEY)
-    if recorded_ef is not None and recorded_ef != vectordb.embedding_id(ef):
+    recorded_ef = metadata.get(chroma.EMBEDDING_META_KEY)
+    if recorded_ef is not None and recorded_ef != chroma.embedding_id(ef):
         raise InvalidRequestError(
             f"{where} holds embeddings of {recorded_ef!r}, but the embedding function given is "
-            f"{vectordb.embedding_id(ef)!r}; pass the same embedding function, or use another collection"
+            f"{chroma.embedding_id(ef)!r}; pass the same embedding function, or use another collection"
         )
     model = metadata.get(MODEL_KEY)
     if model is None:
@@ -322,7 +324,7 @@ def _bind(
                 "choose another collection name for a FusionRAG index"
             )
         chosen = config or IngestConfig()
-        vectordb.record_metadata(collection, {
+        chroma.record_metadata(collection, {
             MODEL_KEY: engine.fingerprint,
             MODEL_NAME_KEY: engine.name,
             INGEST_KEY: json.dumps(chosen.identity(), sort_keys=True),

@@ -16,12 +16,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream, LearnFn
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.kv import Variant
-from fusionrag_core.prompt import FusionPrompt, clean_output
-from fusionrag_core.select import SelectConfig, get_selector
+from fusionrag_core.query.prompt import FusionPrompt
+from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.query.select import SelectConfig, get_selector
+from fusionrag_core.recognise.marks import clean_output
+from fusionrag_core.runtime.kv import Variant
 from fusionrag_core.store import KVStore
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingConfig))

@@ -1,7 +1,7 @@
 """OpenAI-shaped `response_format` values -> the grammar a request decodes under (both integrations).
 
 `{"type": "json_object"}` is any JSON object; `{"type": "json_schema", "json_schema": {"schema":
-...}}` is JSON valid under the schema, compiled by llguidance (`fusionrag_core.constrained`). The
+...}}` is JSON valid under the schema, compiled by llguidance (`fusionrag_core.query.constrained`). The
 LangChain models take it as a call option (`with_structured_output` binds it); the LlamaIndex LLM
 passes it from `structured_predict` / `as_structured_llm` to its own chat call.
 """
@@ -13,8 +13,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from fusionrag_core.constrained import Grammar
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.query.constrained import Grammar
 
 
 def json_schema_format(json_schema: Mapping[str, Any], *, strict: bool | None = None) -> dict[str, Any]:

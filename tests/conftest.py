@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from fusionrag_core import compat
 from fusionrag_core.engine import FusionEngine
+from fusionrag_core.runtime import compat
 from tests.ingest_worker import tokenizer_dir
 
 

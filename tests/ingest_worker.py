@@ -21,9 +21,9 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTraine
 
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.ingest import IngestConfig
-from fusionrag_core.kv import ChunkKV
-from fusionrag_core.model import resolve_source
+from fusionrag_core.ingest.config import IngestConfig
+from fusionrag_core.runtime.kv import ChunkKV
+from fusionrag_core.runtime.loading import resolve_source
 
 
 def tokenizer_dir(cache_root: Path) -> Path:

@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from fusionrag_core import attention, compat, forward
-from fusionrag_core.attention import MaskSpec
-from fusionrag_core.forward import Decoder
+from fusionrag_core.runtime import attention, compat
+from fusionrag_core.runtime import decoder as decoder_module
+from fusionrag_core.runtime.attention import MaskSpec
+from fusionrag_core.runtime.decoder import Decoder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -233,7 +234,7 @@ def test_unwritten_buffer_memory_never_reaches_attention(dense: bool, monkeypatc
     (invalid reserved slots are zeroed, slots past `length` are never read)."""
     monkeypatch.setitem(attention.BLOCK_ROWS, "cpu", 8)  # tails that span the hole
     if not dense:  # NOTE: 32 queries over 80 keys attend in one masked call unless told otherwise
-        monkeypatch.setattr(forward, "DENSE_MAX_QUERIES", 0)
+        monkeypatch.setattr(decoder_module, "DENSE_MAX_QUERIES", 0)
     model = _model("llama")
     decoder = Decoder(model)
     ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(2))

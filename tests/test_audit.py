@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from fusionrag_core.audit import Auditor
-from fusionrag_core.bench.metrics import first_token_kl
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import EngineConfig, FusionEngine
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.query.audit import Auditor
+from fusionrag_core.query.divergence import first_token_kl
+from fusionrag_core.query.sampling import SamplingConfig
 from tests.test_engine import CHUNKS, SMALL
 
 QUESTIONS = [f"Question {i}: where was the designer of the lighthouse born?" for i in range(8)]

@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.chunk_caches import CacheBuilder
 from fusionrag_core.engine import FusionEngine
-from fusionrag_core.ingest import IngestConfig
-from fusionrag_core.prefill import prefill_chunk, prefill_chunks
+from fusionrag_core.ingest.config import IngestConfig
+from fusionrag_core.ingest.fusion import CacheBuilder
+from fusionrag_core.query.prefill import prefill_chunk, prefill_chunks
 from fusionrag_core.store import DiskKVStore
 from tests.ingest_worker import tiny_engine
 

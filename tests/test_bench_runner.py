@@ -21,9 +21,9 @@ from fusionrag_core.bench.runner import (
     run_benchmark,
     same_prompt_neighbour_share,
 )
-from fusionrag_core.compat import tokenize_plain
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import ContextLengthError, InvalidRequestError
+from fusionrag_core.runtime.compat import tokenize_plain
 from tests.ingest_worker import tiny_engine
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "musique_dev.jsonl"

@@ -13,13 +13,13 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.blob_writer import BlobWriter
 from fusionrag_core.data import sample_corpus_dir
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.ingest import IngestConfig
-from fusionrag_core.kv import ChunkKV
-from fusionrag_core.vectordb import all_ids
+from fusionrag_core.ingest.chroma import all_ids
+from fusionrag_core.ingest.config import IngestConfig
+from fusionrag_core.ingest.writer import BlobWriter
+from fusionrag_core.runtime.kv import ChunkKV
 from tests.ingest_worker import tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")

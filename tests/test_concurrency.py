@@ -20,10 +20,10 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.ingest import IngestConfig
+from fusionrag_core.ingest.config import IngestConfig
+from fusionrag_core.query.sampling import SamplingConfig
 from tests.ingest_worker import tiny_engine
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.soak]

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from fusionrag_core.constrained import Grammar
-from fusionrag_core.decode import Sampler, SamplingConfig
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.query.constrained import Grammar
+from fusionrag_core.query.sampling import Sampler, SamplingConfig
 
 SCHEMA = {
     "type": "object",

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from fusionrag_core.decode import Sampler, SamplingConfig, TextAssembler
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.query.sampling import Sampler, SamplingConfig, TextAssembler
 
 
 @pytest.fixture(scope="module")

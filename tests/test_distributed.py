@@ -21,15 +21,17 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core import vectordb
 from fusionrag_core.data import sample_corpus_dir
-from fusionrag_core.distributed import RayConfig, RayIngestor, start_local_cluster, store_spec
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import CacheMismatchError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.ingest import NEIGHBOURS_KEY, RADIUS_KEY, IngestConfig, IngestReport
-from fusionrag_core.kv import neighbours_digest
-from fusionrag_core.recognise import content_index_for
+from fusionrag_core.ingest import chroma
+from fusionrag_core.ingest.config import IngestConfig
+from fusionrag_core.ingest.distributed import RayConfig, RayIngestor, start_local_cluster, store_spec
+from fusionrag_core.ingest.ingestor import IngestReport
+from fusionrag_core.ingest.records import NEIGHBOURS_KEY, RADIUS_KEY
+from fusionrag_core.recognise.content_index import content_index_for
+from fusionrag_core.runtime.kv import neighbours_digest
 from fusionrag_core.store.base import KVStore
 from tests.ingest_worker import tiny_engine, tiny_engine_at
 
@@ -162,7 +164,7 @@ def test_killed_ray_ingest_resumes(engine: FusionEngine, docs: list[str], ray_ad
     local, local_report = local_index
     index = FusionIndex.open(engine, tmp_path / "killed", config=CONFIG)
     doc_ids = [f"d{i}" for i in range(len(docs))]
-    add_chunks = vectordb.add_chunks
+    add_chunks = chroma.add_chunks
     calls = 0
 
     def dies_on_second_batch(*args: Any, **kwargs: Any) -> None:
@@ -172,10 +174,10 @@ def test_killed_ray_ingest_resumes(engine: FusionEngine, docs: list[str], ray_ad
             raise KeyboardInterrupt("killed")
         add_chunks(*args, **kwargs)
 
-    monkeypatch.setattr(vectordb, "add_chunks", dies_on_second_batch)
+    monkeypatch.setattr(chroma, "add_chunks", dies_on_second_batch)
     with pytest.raises(KeyboardInterrupt):
         index.add_texts(docs, doc_ids=doc_ids, ray=_ray(ray_address, tok_path))
-    monkeypatch.setattr(vectordb, "add_chunks", add_chunks)
+    monkeypatch.setattr(chroma, "add_chunks", add_chunks)
     assert len(index) == CONFIG.batch_size
     assert index.verify(repair=False).incomplete
     stored_fused = sum(index.store.has(cid, "fused") for ids in local_report.chunk_ids for cid in set(ids))
@@ -277,7 +279,7 @@ def _cli_engine(tok_path: str, spec: Any) -> FusionEngine:
 def test_local_cluster_refuses_a_ray_imported_in_cluster_mode(tmp_path: Path) -> None:
     """A process that imported `ray` before (cluster mode: servers on every interface) gets an error
     that says how to fix it, not a cluster open to the network."""
-    code = ("import ray\nfrom fusionrag_core.distributed import start_local_cluster\n"
+    code = ("import ray\nfrom fusionrag_core.ingest.distributed import start_local_cluster\n"
             "try:\n    start_local_cluster(1, 80)\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
             "print('initialised', ray.is_initialized())\n")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "PYTHONPATH": str(REPO_ROOT),

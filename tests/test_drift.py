@@ -15,15 +15,13 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.decode import SamplingConfig
-from fusionrag_core.drift import fusion_drift, prompt_drift
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import CacheCorruptError, CacheMismatchError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.ingest import IngestConfig
-from fusionrag_core.kv import ChunkKV
-from fusionrag_core.rope import shift_keys
-from fusionrag_core.select import (
+from fusionrag_core.ingest.config import IngestConfig
+from fusionrag_core.query.drift import fusion_drift, prompt_drift
+from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.query.select import (
     SelectConfig,
     _inexact,
     get_selector,
@@ -31,7 +29,9 @@ from fusionrag_core.select import (
     question_attention,
     question_weights,
 )
-from fusionrag_core.stitch import Stitched, stitch
+from fusionrag_core.query.stitch import Stitched, stitch
+from fusionrag_core.runtime.kv import ChunkKV
+from fusionrag_core.runtime.rope import shift_keys
 from fusionrag_core.store import DiskKVStore, TieredKVStore, decode_blob, encode_blob
 from fusionrag_core.store.tiered import _pin as tiered_pin
 from tests.test_engine import ARCHS, CHUNKS, prompt_for

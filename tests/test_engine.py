@@ -22,12 +22,12 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from fusionrag_core import compat
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import CacheMismatchError, ContextLengthError, InvalidRequestError
-from fusionrag_core.select import SelectConfig, get_selector, select_first_k, select_kv_deviation
-from fusionrag_core.stitch import stitch
+from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.query.select import SelectConfig, get_selector, select_first_k, select_kv_deviation
+from fusionrag_core.query.stitch import stitch
+from fusionrag_core.runtime import compat
 
 CHUNKS = [
     "The Lumen lighthouse on Gull Point was designed by the engineer Ada Vell in 1891.",
@@ -206,7 +206,7 @@ def test_layer0_keys_shift_to_where_they_would_be_computed(tiny_engine: FusionEn
     # shifted must equal the same chunk prefilled after a longer one.
     short = tiny_engine.chunk_cache(CHUNKS[1], instruction="Answer.")
     long = tiny_engine.chunk_cache(CHUNKS[1], instruction="Answer the question in as few words as you can.")
-    from fusionrag_core.rope import shift_keys
+    from fusionrag_core.runtime.rope import shift_keys
 
     moved = shift_keys(short.keys, long.positions - short.positions, tiny_engine.decoder.rope)
     assert int((long.positions - short.positions)[0]) > 0

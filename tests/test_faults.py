@@ -23,17 +23,18 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core import cli
-from fusionrag_core.corpus import CORPUS_ID_KEY, corpus_id_of
 from fusionrag_core.data import sample_corpus_dir
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import CorpusLockedError, InsufficientSpaceError
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.ingest import NEIGHBOURS_KEY, IngestConfig
-from fusionrag_core.kv import VARIANTS, ChunkKV, neighbours_digest
+from fusionrag_core.ingest.chroma import RetrievedChunk
+from fusionrag_core.ingest.config import IngestConfig
+from fusionrag_core.ingest.corpus import CORPUS_ID_KEY, corpus_id_of
+from fusionrag_core.ingest.records import NEIGHBOURS_KEY
+from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.runtime.kv import VARIANTS, ChunkKV, neighbours_digest
 from fusionrag_core.store import DiskKVStore
 from fusionrag_core.store.disk import QUARANTINE_DIR
-from fusionrag_core.vectordb import RetrievedChunk
 from tests.ingest_worker import tiny_engine, tokenizer_dir
 from tests.servers import running_chroma_server, running_redis_server
 

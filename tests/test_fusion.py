@@ -1,4 +1,4 @@
-"""The one definition of fusion (fusionrag_core.chunk_caches): neighbour ranking and the context
+"""The one definition of fusion (fusionrag_core.ingest.fusion): neighbour ranking and the context
 check, shared by FusionIndex ingest and the LlamaIndex FusionKVTransform."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from fusionrag_core.chunk_caches import CacheBuilder, batch_neighbours, check_fusion_fits, rank_neighbours
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import ContextLengthError
-from fusionrag_core.ingest import IngestConfig
+from fusionrag_core.ingest.config import IngestConfig
+from fusionrag_core.ingest.fusion import CacheBuilder, batch_neighbours, check_fusion_fits, rank_neighbours
 from fusionrag_core.store import DiskKVStore
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.chunking import Chunker, ChunkingConfig
 from fusionrag_core.errors import InsufficientSpaceError
-from fusionrag_core.guard import check_room, project
+from fusionrag_core.ingest.chunking import Chunker, ChunkingConfig
+from fusionrag_core.ingest.space import check_room, project
 from fusionrag_core.store import DiskKVStore
 
 SMOLLM2_KV = (30, 3, 64)  # (layers, kv heads, head dim) of SmolLM2-135M

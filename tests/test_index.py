@@ -10,13 +10,13 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import CacheMismatchError, CacheNotFoundError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.ingest import IngestConfig
+from fusionrag_core.ingest.chroma import all_ids
+from fusionrag_core.ingest.config import IngestConfig
+from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.store import DiskKVStore, TierConfig, TieredKVStore
-from fusionrag_core.vectordb import all_ids
 from tests.ingest_worker import tiny_engine
 from tests.servers import running_chroma_server, running_redis_server
 

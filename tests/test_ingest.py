@@ -19,16 +19,17 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.chunking import Chunker, ChunkingConfig, chunk_id
 from fusionrag_core.data import sample_corpus_dir
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.ingest import NEIGHBOURS_KEY, OWNERS_KEY, PENDING_KEY, IngestConfig
-from fusionrag_core.kv import ChunkKV
+from fusionrag_core.ingest.chroma import all_ids
+from fusionrag_core.ingest.chunking import Chunker, ChunkingConfig, chunk_id
+from fusionrag_core.ingest.config import IngestConfig
+from fusionrag_core.ingest.records import NEIGHBOURS_KEY, OWNERS_KEY, PENDING_KEY
+from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.runtime.kv import ChunkKV
 from fusionrag_core.store import DiskKVStore, StorageDType
-from fusionrag_core.vectordb import all_ids
 from tests.ingest_worker import tiny_engine, tokenizer_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +154,7 @@ def test_same_text_twice_is_no_work(
 
     again = index.add_texts(texts)
     assert again.chunk_ids == first.chunk_ids and again.doc_ids == first.doc_ids
-    assert (again.new_chunks, again.skipped_chunks, again.refused_chunks, again.prefills) == (0, n, 0, 0)
+    assert (again.new_chunks, again.skipped_chunks, again.re_fused_chunks, again.prefills) == (0, n, 0, 0)
     assert make_index.prefills == 2 * n
 
 
@@ -199,7 +200,7 @@ def test_neighbour_order_decides_the_fused_prefill(make_index: Opener, docs: dic
     assert torch.equal(stored.positions, expected.positions)
 
 
-def test_update_refuses_exactly_the_chunks_whose_neighbours_changed(
+def test_update_re_fuses_exactly_the_chunks_whose_neighbours_changed(
     make_index: Opener, docs: dict[str, str]
 ) -> None:
     index = make_index()
@@ -212,7 +213,7 @@ def test_update_refuses_exactly_the_chunks_whose_neighbours_changed(
     after = _neighbours(index)
     changed = {c for c in before if set(after[c]) != set(before[c])}
     assert 0 < len(changed) < len(before), "the test corpus should move some neighbour sets, not all"
-    assert report.refused_chunks == len(changed)
+    assert report.re_fused_chunks == len(changed)
     assert report.prefills == make_index.prefills - prefills_before == 2 * report.new_chunks + len(changed)
     new_ids = set(after) - set(before)
     assert all(new_ids & set(after[c]) for c in changed)
@@ -340,28 +341,28 @@ def test_ingest_killed_mid_fusion_resumes_without_recomputing(
     resumed = index.add_texts(texts)
     assert resumed.chunk_ids == clean.chunk_ids
     assert resumed.prefills == make_index.prefills - prefills_before == n - die_after, "only missing fused caches"
-    assert (resumed.skipped_chunks, resumed.new_chunks, resumed.refused_chunks) == (4, n - 4, 0)
+    assert (resumed.skipped_chunks, resumed.new_chunks, resumed.re_fused_chunks) == (4, n - 4, 0)
     _assert_same_corpus(index, reference)
 
 
-def test_update_killed_mid_refusion_is_finished_by_the_next_run(
+def test_update_killed_mid_re_fusion_is_finished_by_the_next_run(
     make_index: Opener, docs: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     first = [docs["lumen_lighthouse"], docs["marrow"], docs["night_of_lanterns"]]
     second = [docs["oren_tessaly"], docs["tessaly_instruments"]]
     reference = make_index(**KILL_CONFIG)
     one, two = reference.add_texts(first), reference.add_texts(second)
-    assert two.refused_chunks >= 2
+    assert two.re_fused_chunks >= 2
     # NOTE: dies right after the first re-fused blob is stored, before its entry is updated.
     data_dir = _ingest_then_die([first, second], KILL_CONFIG, one.new_chunks + two.new_chunks + 1, tmp_path, request)
 
     index = FusionIndex.open(reference.engine, data_dir)
     pending = [c for c, m in _metadata(index).items() if m[PENDING_KEY]]
-    assert len(pending) == two.refused_chunks, "every chunk to re-fuse stays marked until its entry is updated"
+    assert len(pending) == two.re_fused_chunks, "every chunk to re-fuse stays marked until its entry is updated"
     prefills_before = make_index.prefills
 
     resumed = index.add_texts(second)
-    assert resumed.prefills == make_index.prefills - prefills_before == two.refused_chunks
-    assert (resumed.new_chunks, resumed.skipped_chunks, resumed.refused_chunks) == (0, two.new_chunks,
-                                                                                    two.refused_chunks)
+    assert resumed.prefills == make_index.prefills - prefills_before == two.re_fused_chunks
+    assert (resumed.new_chunks, resumed.skipped_chunks, resumed.re_fused_chunks) == (0, two.new_chunks,
+                                                                                    two.re_fused_chunks)
     _assert_same_corpus(index, reference)

@@ -25,12 +25,12 @@ from langchain_core.runnables import RunnablePassthrough
 from pydantic import ValidationError
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.index import FusionIndex, IngestConfig
-from fusionrag_core.kv import ChunkKV
-from fusionrag_core.prompt import MARK_CLOSE, MARK_OPEN, MARK_SEP, strip_marks
+from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.recognise.marks import MARK_CLOSE, MARK_OPEN, MARK_SEP, strip_marks
+from fusionrag_core.runtime.kv import ChunkKV
 from fusionrag_core.store import DiskKVStore, KVStore
 from fusionrag_integrations.langchain import (
     ChatFusionRAG,

@@ -25,10 +25,11 @@ from transformers import PreTrainedTokenizerBase
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import CorpusLockedError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.ingest import NEIGHBOURS_KEY, IngestConfig
-from fusionrag_core.kv import neighbours_digest
-from fusionrag_core.lock import writing
+from fusionrag_core.ingest.config import IngestConfig
+from fusionrag_core.ingest.lock import writing
+from fusionrag_core.ingest.records import NEIGHBOURS_KEY
 from fusionrag_core.paths import kv_dir
+from fusionrag_core.runtime.kv import neighbours_digest
 from fusionrag_integrations.langchain import FusionRAGRetriever, FusionRAGVectorStore
 from fusionrag_integrations.langchain.embeddings import ChromaEmbeddings
 from tests.ingest_worker import tiny_engine
@@ -378,9 +379,8 @@ def test_documents_from_the_store_are_reused_by_chat_fusionrag(engine: FusionEng
 
 
 def _scan(index: FusionIndex) -> Iterator[dict[str, Any]]:
-    from fusionrag_core import vectordb
-
-    return vectordb.scan(index.collection, ["metadatas"])
+    from fusionrag_core.ingest import chroma
+    return chroma.scan(index.collection, ["metadatas"])
 
 
 # ---- threads and servers --------------------------------------------------------------------------------

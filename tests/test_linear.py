@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fusionrag_core import compat
-from fusionrag_core.linear import LayerLinears, Linears
+from fusionrag_core.runtime import compat
+from fusionrag_core.runtime.linear import LayerLinears, Linears
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(compat.packed_linear_weight(torch.zeros(2, 2)) is None,

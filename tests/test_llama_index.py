@@ -31,15 +31,16 @@ from llama_index.vector_stores.chroma import ChromaVectorStore
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from fusionrag_core.data import load_sample_questions, sample_corpus_dir
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import FusionRAGError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.ingest import IngestConfig
-from fusionrag_core.kv import ChunkKV
-from fusionrag_core.prompt import PromptLayout, mark_chunk, strip_marks
+from fusionrag_core.ingest.chroma import VectorDBConfig, open_collection
+from fusionrag_core.ingest.config import IngestConfig
+from fusionrag_core.query.prompt import PromptLayout
+from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.recognise.marks import mark_chunk, strip_marks
+from fusionrag_core.runtime.kv import ChunkKV
 from fusionrag_core.store import DiskKVStore, KVStore, validate_chunk_id
-from fusionrag_core.vectordb import VectorDBConfig, open_collection
 from fusionrag_integrations.llama_index import (
     FusionChunkMarker,
     FusionKVTransform,

@@ -16,10 +16,10 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.core.types import PydanticProgramMode
 from pydantic import BaseModel, Field
 
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.prompt import mark_chunk
+from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.recognise.marks import mark_chunk
 from fusionrag_core.store import DiskKVStore, KVStore
 from fusionrag_integrations.llama_index import FusionRAGLLM
 from fusionrag_integrations.llama_index.calls import recording

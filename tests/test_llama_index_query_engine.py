@@ -21,11 +21,11 @@ from llama_index.core.response_synthesizers import ResponseMode, get_response_sy
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.index import FusionIndex, IngestConfig
-from fusionrag_core.prompt import MARK_OPEN
+from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.recognise.marks import MARK_OPEN
 from fusionrag_integrations.llama_index import FusionRAGLLM, FusionRAGQueryEngine
 
 TEXTS = [

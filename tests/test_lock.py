@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from fusionrag_core.errors import CorpusLockedError
-from fusionrag_core.lock import WriterLock, writer_lock
+from fusionrag_core.ingest.lock import WriterLock, writer_lock
 from fusionrag_core.store import DiskKVStore, KVStore, open_store
 from tests.servers import running_redis_server
 
 HOLD = """
 import sys, time
-from fusionrag_core.lock import WriterLock, writer_lock
+from fusionrag_core.ingest.lock import WriterLock, writer_lock
 from fusionrag_core.store import open_store
 lock = writer_lock(open_store(sys.argv[1], namespace=sys.argv[2]), "ingest", ttl_s=1.0)
 lock.__enter__()

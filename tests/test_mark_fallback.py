@@ -25,9 +25,9 @@ from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.index import IngestConfig
-from fusionrag_core.prompt import MARK_CLOSE, MARK_OPEN, MARK_SEP, mark_chunk
-from fusionrag_core.recognise import ANCHOR_CHARS
-from fusionrag_core.stitch import NO_CACHE
+from fusionrag_core.query.stitch import NO_CACHE
+from fusionrag_core.recognise.content_index import ANCHOR_CHARS
+from fusionrag_core.recognise.marks import MARK_CLOSE, MARK_OPEN, MARK_SEP, mark_chunk
 from fusionrag_core.store import DiskKVStore
 from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGVectorStore, format_docs
 from tests.ingest_worker import tiny_engine

@@ -13,8 +13,6 @@ from fusionrag_core.bench.metrics import (
     answer_f1,
     exact_match,
     f1_score,
-    first_token_agree,
-    first_token_kl,
     max_over_ground_truths,
     median,
     normalize_answer,
@@ -22,6 +20,7 @@ from fusionrag_core.bench.metrics import (
     summarize,
 )
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.query.divergence import first_token_agree, first_token_kl
 
 
 @pytest.mark.parametrize(

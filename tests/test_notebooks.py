@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from fusionrag_core.prompt import MARK_CHARS
+from fusionrag_core.recognise.marks import MARK_CHARS
 
 nbformat = pytest.importorskip("nbformat", reason="pip install nbformat nbclient ipykernel")
 nbclient = pytest.importorskip("nbclient", reason="pip install nbformat nbclient ipykernel")

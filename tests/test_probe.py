@@ -15,12 +15,13 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core import attention, forward
 from fusionrag_core.engine import EngineConfig, FusionEngine
-from fusionrag_core.forward import Decoder
-from fusionrag_core.kv import KVBuffer
-from fusionrag_core.rope import apply_rope, cos_sin
-from fusionrag_core.select import SelectConfig, get_selector, question_weights
+from fusionrag_core.query.select import SelectConfig, get_selector, question_weights
+from fusionrag_core.runtime import attention
+from fusionrag_core.runtime import decoder as decoder_module
+from fusionrag_core.runtime.decoder import Decoder
+from fusionrag_core.runtime.kv import KVBuffer
+from fusionrag_core.runtime.rope import apply_rope, cos_sin
 from tests.test_engine import ARCHS, CHUNKS, _stitched
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -81,7 +82,7 @@ def reference_probe(d: Decoder, buf: KVBuffer, token_ids: torch.Tensor, slots: t
 @pytest.mark.parametrize("dense", [True, False])
 def test_probe_masses_equal_the_reference(engine: FusionEngine, dense: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not dense:  # the question's few queries attend in one masked call unless told otherwise
-        monkeypatch.setattr(forward, "DENSE_MAX_QUERIES", 0)
+        monkeypatch.setattr(decoder_module, "DENSE_MAX_QUERIES", 0)
         monkeypatch.setitem(attention.BLOCK_ROWS, "cpu", 4)  # several blocks, tails and window edges
     layers = tuple(range(engine.decoder.num_layers))
     st = _stitched(engine, CHUNKS)

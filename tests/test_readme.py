@@ -28,11 +28,11 @@ def test_configuration_table_names_the_real_api() -> None:
     import dataclasses
     import inspect
 
-    from fusionrag_core.decode import SamplingConfig
     from fusionrag_core.engine import EngineConfig
     from fusionrag_core.index import FusionIndex
-    from fusionrag_core.ingest import IngestConfig
-    from fusionrag_core.select import SelectConfig
+    from fusionrag_core.ingest.config import IngestConfig
+    from fusionrag_core.query.sampling import SamplingConfig
+    from fusionrag_core.query.select import SelectConfig
 
     section = _TEXT[_TEXT.index("## Configuration"):]
     section = section[: section.index("\n## ")]

@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
-from fusionrag_core.learn import LearnConfig, LearnedCaches, content_id
-from fusionrag_core.prompt import MARK_CLOSE, MARK_OPEN, MARK_SEP, mark_chunk, split_marks, strip_marks
-from fusionrag_core.recognise import ANCHOR_CHARS, ContentIndex, Match, chunk_anchor, content_index_for
-from fusionrag_core.reuse import ReuseMonitor, ReuseSources
+from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.recognise.content_index import ANCHOR_CHARS, ContentIndex, Match, chunk_anchor, content_index_for
+from fusionrag_core.recognise.marks import MARK_CLOSE, MARK_OPEN, MARK_SEP, mark_chunk, split_marks, strip_marks
+from fusionrag_core.reuse.learned import LearnConfig, LearnedCaches, content_id
+from fusionrag_core.reuse.sources import ReuseMonitor, ReuseSources
 from fusionrag_core.store import DiskKVStore
 from tests.ingest_worker import tiny_engine
 
@@ -108,9 +108,8 @@ def test_rows_added_by_another_process_are_found_and_removed_rows_are_not(tmp_pa
 
 def test_the_sorted_hash_array_is_rebuilt_and_still_finds_everything(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from fusionrag_core import recognise
-
-    monkeypatch.setattr(recognise, "_MAX_PENDING", 2)
+    from fusionrag_core.recognise import content_index
+    monkeypatch.setattr(content_index, "_MAX_PENDING", 2)
     index = ContentIndex(tmp_path)
     index.add((f"c{i}", t) for i, t in enumerate(TEXTS))
     assert list(tmp_path.glob("anchors.*.i64"))  # the array was published

@@ -21,11 +21,11 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.compat import tokenize_plain
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.index import FusionIndex, IngestConfig
-from fusionrag_core.prompt import MARK_CLOSE, MARK_OPEN, MARK_SEP, mark_chunk
-from fusionrag_core.recognise import content_index_for
+from fusionrag_core.recognise.content_index import content_index_for
+from fusionrag_core.recognise.marks import MARK_CLOSE, MARK_OPEN, MARK_SEP, mark_chunk
+from fusionrag_core.runtime.compat import tokenize_plain
 from fusionrag_core.store import DiskKVStore
 from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGRetriever
 from tests.ingest_worker import tiny_engine

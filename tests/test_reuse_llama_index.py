@@ -15,8 +15,8 @@ from llama_index.core.embeddings import MockEmbedding
 from llama_index.core.schema import MetadataMode, TextNode
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.compat import tokenize_plain
 from fusionrag_core.engine import FusionEngine
+from fusionrag_core.runtime.compat import tokenize_plain
 from fusionrag_core.store import DiskKVStore
 from fusionrag_integrations.llama_index import FusionKVTransform, FusionRAGLLM
 from tests.ingest_worker import tiny_engine

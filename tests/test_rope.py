@@ -9,9 +9,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from fusionrag_core import compat
 from fusionrag_core.errors import UnsupportedModelError
-from fusionrag_core.rope import apply_rope, cos_sin, shift_keys
+from fusionrag_core.runtime import compat
+from fusionrag_core.runtime.rope import apply_rope, cos_sin, shift_keys
 
 ROPE_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -60,7 +60,7 @@ def test_yarn_attention_scaling_is_applied_once() -> None:
 
 
 def test_partial_rotary_moves_only_rotated_dims() -> None:
-    from fusionrag_core.compat import RopeTable
+    from fusionrag_core.runtime.compat import RopeTable
 
     table = RopeTable("default", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)), 1.0)  # R = 8 of D = 16
     raw = torch.randn(1, 2, 10, 16)

@@ -36,11 +36,11 @@ from llama_index.core.schema import MetadataMode
 from llama_index.vector_stores.chroma import ChromaVectorStore
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.chunk_record import CHUNK_ID_KEY, INTERNAL_KEYS, NODE_RECORD_KEYS, OWNERS_KEY, RESERVED_KEYS
 from fusionrag_core.cli import main as cli_main
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.index import FusionIndex, IngestConfig
-from fusionrag_core.prompt import strip_marks
+from fusionrag_core.ingest.records import CHUNK_ID_KEY, INTERNAL_KEYS, NODE_RECORD_KEYS, OWNERS_KEY, RESERVED_KEYS
+from fusionrag_core.recognise.marks import strip_marks
 from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGVectorStore
 from fusionrag_integrations.langchain import FusionRAGRetriever as LCRetriever
 from fusionrag_integrations.langchain.documents import format_docs

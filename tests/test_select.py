@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import EngineConfig, FusionEngine
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.select import SelectConfig, get_selector, probe_layers, question_attention
-from fusionrag_core.stitch import Stitched, stitch
+from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.query.select import SelectConfig, get_selector, probe_layers, question_attention
+from fusionrag_core.query.stitch import Stitched, stitch
 from tests.test_engine import ARCHS, CHUNKS, _stitched, independent_caches, prompt_for
 
 NEW = ("query_guided_layers", "query_guided_early", "adaptive", "fusion_aware", "fusion_aware_early")

@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import EngineConfig, FusionEngine
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.recompute import recompute
-from fusionrag_core.select import SelectConfig, attention_drop, get_selector, question_attention
-from fusionrag_core.stitch import Stitched, stitch
+from fusionrag_core.query.recompute import recompute
+from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.query.select import SelectConfig, attention_drop, get_selector, question_attention
+from fusionrag_core.query.stitch import Stitched, stitch
 from tests.test_engine import ARCHS, CHUNKS, independent_caches, prompt_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -17,7 +17,7 @@ from fusionrag_core.errors import (
     FusionRAGError,
     InvalidRequestError,
 )
-from fusionrag_core.kv import ChunkKV, Variant
+from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.store import (
     DiskKVStore,
     KVStore,
@@ -402,16 +402,16 @@ def test_no_single_byte_flip_goes_unnoticed(tmp_path: Path) -> None:
 def test_blob_with_earlier_sha256_checksum_still_reads(tmp_path: Path) -> None:
     from safetensors.torch import load, save
 
-    from fusionrag_core.store import base
+    from fusionrag_core.store import codec
 
     store = DiskKVStore(tmp_path, storage_dtype="float32")
     kv = make_kv()
     store.put("ab12", kv)
     path = store.path_for("ab12", "independent")
     raw = path.read_bytes()
-    meta = dict(base._read_header_metadata(raw, "test"))
+    meta = dict(codec._read_header_metadata(raw, "test"))
     tensors = load(raw)
-    meta["checksum"] = base._checksum(tensors, meta, "sha256")  # what format 1 wrote before xxh3
+    meta["checksum"] = codec._checksum(tensors, meta, "sha256")  # what format 1 wrote before xxh3
     path.write_bytes(save(tensors, metadata=meta))
     assert torch.equal(store.get("ab12", "independent", fingerprint=FP).keys, kv.keys)
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusionrag_core.decode import SamplingConfig
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import CacheMismatchError, CacheNotFoundError
+from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.store import DiskKVStore
 from fusionrag_core.store.tiered import TieredKVStore
 from tests.test_store import FP, make_kv

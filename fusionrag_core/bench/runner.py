@@ -42,18 +42,20 @@ from typing import Any, Literal, get_args
 
 from tqdm.auto import tqdm
 
-from fusionrag_core import vectordb
 from fusionrag_core.bench.data import BenchRow, load_rows, passage_text
 from fusionrag_core.bench.methods import DEFAULT_METHODS, DEFAULT_RATIOS, FULL_ATTENTION, METHODS, Method
-from fusionrag_core.bench.metrics import RowResult, first_token_agree, first_token_kl, summarize
-from fusionrag_core.compat import tokenize_plain
-from fusionrag_core.decode import SamplingConfig
+from fusionrag_core.bench.metrics import RowResult, summarize
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import CacheNotFoundError, ContextLengthError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.ingest import NEIGHBOURS_KEY, IngestConfig, NeighbourOrder
-from fusionrag_core.kv import Variant
-from fusionrag_core.select import SelectConfig
+from fusionrag_core.ingest import chroma
+from fusionrag_core.ingest.config import IngestConfig, NeighbourOrder
+from fusionrag_core.ingest.records import NEIGHBOURS_KEY
+from fusionrag_core.query.divergence import first_token_agree, first_token_kl
+from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.query.select import SelectConfig
+from fusionrag_core.runtime.compat import tokenize_plain
+from fusionrag_core.runtime.kv import Variant
 from fusionrag_core.store import StorageDType
 
 #: Stop at the end of the first line: the benchmark scores short answers.
@@ -189,7 +191,7 @@ def run_benchmark(
     config: BenchConfig,
     engine: FusionEngine,
     *,
-    embedding_function: vectordb.EmbeddingFn | None = None,
+    embedding_function: chroma.EmbeddingFn | None = None,
     progress: bool = True,
     command: Sequence[str] | None = None,
 ) -> dict[str, Any]:
@@ -216,7 +218,7 @@ def run_benchmark(
     if not rows:
         raise InvalidRequestError(f"{config.data} holds no rows after skipping {config.skip}; pass a dataset with "
                                   "at least one row there (or a smaller --skip)")
-    ef = embedding_function if embedding_function is not None else vectordb.default_embedding_function()
+    ef = embedding_function if embedding_function is not None else chroma.default_embedding_function()
     sampling = SamplingConfig(max_new_tokens=config.max_new_tokens, stop=ANSWER_STOP)
     plan = config.plan()
     passages = [row_passages(row, engine, config.max_passage_tokens) for row in rows]
@@ -385,7 +387,7 @@ def _ingest(
     name: str,
     root: Path,
     config: BenchConfig,
-    ef: vectordb.EmbeddingFn,
+    ef: chroma.EmbeddingFn,
     totals: _IngestTotals,
 ) -> _Corpus:
     """Ingest `passages` (one document each) into an independent and a fused index named `name`."""
@@ -499,7 +501,7 @@ def _drop(corpus: _Corpus, root: Path) -> None:
     for index in corpus.indexes.values():
         name = index.collection.name
         index.store.close()
-        client = vectordb.open_client(vectordb.VectorDBConfig(path=str(root / "chroma"), collection=name))
+        client = chroma.open_client(chroma.VectorDBConfig(path=str(root / "chroma"), collection=name))
         client.delete_collection(name)
         shutil.rmtree(root / "kv" / name, ignore_errors=True)
 

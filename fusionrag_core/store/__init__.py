@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fusionrag_core.store.base import (
+from fusionrag_core.store.base import KVStore
+from fusionrag_core.store.codec import (
     FORMAT_VERSION,
     STORAGE_DTYPES,
-    KVStore,
     StorageDType,
     decode_blob,
     decode_file,
     encode_blob,
-    open_store,
     validate_chunk_id,
 )
 from fusionrag_core.store.disk import DiskKVStore
+from fusionrag_core.store.factory import open_store
 from fusionrag_core.store.tiered import TierConfig, TieredKVStore
 
 if TYPE_CHECKING:

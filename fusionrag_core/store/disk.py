@@ -18,15 +18,9 @@ from pathlib import Path
 import torch
 
 from fusionrag_core.errors import CacheNotFoundError, InvalidRequestError
-from fusionrag_core.kv import VARIANTS, ChunkKV, Variant
-from fusionrag_core.store.base import (
-    KVStore,
-    StorageDType,
-    decode_file,
-    encode_blob,
-    validate_chunk_id,
-    validate_variant,
-)
+from fusionrag_core.runtime.kv import VARIANTS, ChunkKV, Variant
+from fusionrag_core.store.base import KVStore
+from fusionrag_core.store.codec import StorageDType, decode_file, encode_blob, validate_chunk_id, validate_variant
 
 _SUFFIX = ".safetensors"
 QUARANTINE_DIR = ".quarantine"

@@ -2,7 +2,7 @@
 
 Keys (with `ns` the namespace):
 
-* `ns:kv:<variant>:<chunk_id>` → blob bytes (see `fusionrag_core.store.base`);
+* `ns:kv:<variant>:<chunk_id>` → blob bytes (see `fusionrag_core.store.codec`);
 * `ns:ids:<variant>` → set of chunk ids that have a blob of that variant (for `list_ids`,
   so listing never SCANs the keyspace).
 
@@ -28,9 +28,9 @@ except ModuleNotFoundError as e:  # pragma: no cover - depends on the installed 
     ) from e
 
 from fusionrag_core.errors import CacheNotFoundError, FusionRAGError, InvalidRequestError
-from fusionrag_core.kv import VARIANTS, ChunkKV, Variant
-from fusionrag_core.store.base import (
-    KVStore,
+from fusionrag_core.runtime.kv import VARIANTS, ChunkKV, Variant
+from fusionrag_core.store.base import KVStore
+from fusionrag_core.store.codec import (
     StorageDType,
     decode_blob,
     encode_blob,

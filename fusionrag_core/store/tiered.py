@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from fusionrag_core.kv import ChunkKV, Variant
+from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.store.base import KVStore
 
 TIERS = ("device", "host", "store")

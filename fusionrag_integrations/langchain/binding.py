@@ -22,13 +22,13 @@ from typing_extensions import Self
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.kv import Variant
-from fusionrag_core.learn import DEFAULT_MAX_BYTES, LearnConfig, LearnedCaches, open_learned
-from fusionrag_core.model import DEFAULT_MODEL, check_device
 from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, kv_dir, learned_dir
-from fusionrag_core.prompt import FusionPrompt
-from fusionrag_core.reuse import ReuseMonitor, ReuseSources
-from fusionrag_core.stitch import Stitched
+from fusionrag_core.query.prompt import FusionPrompt
+from fusionrag_core.query.stitch import Stitched
+from fusionrag_core.reuse.learned import DEFAULT_MAX_BYTES, LearnConfig, LearnedCaches, open_learned
+from fusionrag_core.reuse.sources import ReuseMonitor, ReuseSources
+from fusionrag_core.runtime.kv import Variant
+from fusionrag_core.runtime.loading import DEFAULT_MODEL, check_device
 from fusionrag_core.store import DiskKVStore, KVStore
 from fusionrag_integrations.arguments import normalize_arguments
 from fusionrag_integrations.langchain.observe import retrieved_texts
@@ -287,7 +287,7 @@ class FusionRAGModelFields(BaseModel):
         """Stream `prompt`: text pieces (mark characters removed), then the finished Generation.
 
         Chunks without a usable cache that are learnable are kept as learned caches; a request with
-        context that reuses nothing logs one warning per model (see `fusionrag_core.reuse`).
+        context that reuses nothing logs one warning per model (see `fusionrag_core.reuse.sources`).
         """
         options = self.request_options(stop, overrides)
         engine, sources = self.fusion_engine(), self.reuse_sources()

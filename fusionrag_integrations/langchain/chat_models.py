@@ -23,7 +23,7 @@ from langchain_core.runnables import Runnable
 
 from fusionrag_core.engine import Generation
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.prompt import FusionPrompt
+from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_integrations.langchain.binding import FusionRAGModelFields, generation_metadata
 from fusionrag_integrations.langchain.documents import chunk_inputs
 from fusionrag_integrations.langchain.messages import to_chat_dicts

@@ -11,12 +11,12 @@ from typing import Literal
 
 from langchain_core.documents import Document
 
-from fusionrag_core.chunk_record import user_metadata
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.prompt import mark_chunk
+from fusionrag_core.ingest.chroma import RetrievedChunk
+from fusionrag_core.ingest.records import user_metadata
+from fusionrag_core.recognise.marks import mark_chunk
 from fusionrag_core.store import KVStore, validate_chunk_id
-from fusionrag_core.vectordb import RetrievedChunk
 
 CacheStatus = Literal["fused", "independent", "missing"]
 CHUNK_ID_KEY = "chunk_id"
@@ -36,7 +36,7 @@ def format_docs(docs: Sequence[Document]) -> str:
     in `chunk_found_by`; a text that matches none stays a reported cache miss under its id.
 
     NOTE: the marks are private-use characters read by ChatFusionRAG / FusionRAGLLM; for any other
-    model remove them with `fusionrag_core.prompt.strip_marks`.
+    model remove them with `fusionrag_core.query.prompt.strip_marks`.
 
     NOTE: a document's text may hold any characters, mark characters included: a mark records
     its text's length and a MAC, so nothing inside a document can end or forge a mark.

@@ -2,7 +2,7 @@
 
 Messages become the role/content dicts that `FusionEngine.prompt_from_messages` renders with the
 model's chat template; stored chunks are found there by content, or by the marks of
-`fusionrag_core.prompt.mark_chunk` (see `format_docs`). Mark characters never leave in output text.
+`fusionrag_core.query.prompt.mark_chunk` (see `format_docs`). Mark characters never leave in output text.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from langchain_core.messages import BaseMessage, convert_to_openai_messages
 
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.prompt import MARK_CHARS, clean_output
+from fusionrag_core.recognise.marks import MARK_CHARS, clean_output
 
 
 def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:

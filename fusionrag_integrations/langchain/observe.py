@@ -1,7 +1,7 @@
 """Which documents a retriever returned in the run a FusionRAG model answers: LangChain callbacks.
 
 A FusionRAG model learns the KV cache of a retrieved document from the prompt that holds it
-(`fusionrag_core.learn`), so it must know which texts in its prompt are retrieved documents. In an
+(`fusionrag_core.reuse.learned`), so it must know which texts in its prompt are retrieved documents. In an
 LCEL chain the retriever and the model are sibling runs of one trace; a model sees only its own
 run. `RetrievalObserver` is one process-wide callback handler, added to every LangChain run through
 LangChain's configure hook (the mechanism its tracers use): it records each run's parent and, per

@@ -1,7 +1,7 @@
 """Structured output for the LangChain models: JSON guaranteed by grammar-constrained decoding.
 
 `with_structured_output(schema)` binds an OpenAI-shaped `response_format` call option; the
-request then decodes under an llguidance grammar of the schema (`fusionrag_core.constrained`), so
+request then decodes under an llguidance grammar of the schema (`fusionrag_core.query.constrained`), so
 the answer always parses (unless `max_tokens` ends it first, which the parser reports). Chunk
 caches are reused exactly as without the constraint: only sampling changes.
 """

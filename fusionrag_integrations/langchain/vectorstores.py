@@ -50,11 +50,12 @@ from langchain_core.vectorstores import VectorStore
 from langchain_core.vectorstores.utils import maximal_marginal_relevance
 from typing_extensions import Self
 
-from fusionrag_core import vectordb
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.index import FusionIndex, IngestConfig, corpus_store
-from fusionrag_core.ingest import RESERVED_KEYS, owners_of
+from fusionrag_core.ingest import chroma
+from fusionrag_core.ingest.ingestor import owners_of
+from fusionrag_core.ingest.records import RESERVED_KEYS
 from fusionrag_core.paths import DEFAULT_DATA_DIR, chroma_dir
 from fusionrag_core.store import DiskKVStore, KVStore, StorageDType
 from fusionrag_integrations.arguments import refuse_unknown
@@ -99,7 +100,7 @@ class FusionRAGVectorStore(VectorStore):
         writer_wait_s: how long a write (add, delete) waits for another writer of the corpus (a
             thread, an `aadd_documents` running beside it, another process) before failing with
             `CorpusLockedError`; default forever, as writes to langchain-chroma queue. One writer
-            at a time per corpus (`fusionrag_core.lock`); searches never wait.
+            at a time per corpus (`fusionrag_core.ingest.lock`); searches never wait.
 
     With no client, persist_directory, host, cloud key or data_dir, Chroma is in memory (as
     langchain-chroma) and so are the caches: a temporary directory per collection, removed at exit.
@@ -120,7 +121,7 @@ class FusionRAGVectorStore(VectorStore):
     def __init__(
         self,
         collection_name: str = _LANGCHAIN_DEFAULT_COLLECTION_NAME,
-        embedding_function: Embeddings | vectordb.EmbeddingFn | None = None,
+        embedding_function: Embeddings | chroma.EmbeddingFn | None = None,
         persist_directory: str | Path | None = None,
         host: str | None = None,
         port: int | None = None,
@@ -168,7 +169,7 @@ class FusionRAGVectorStore(VectorStore):
         model = engine if engine is not None else FusionEngine.from_pretrained()
 
         def open_index(create: bool) -> FusionIndex:
-            collection = vectordb.collection_in(
+            collection = chroma.collection_in(
                 place.client, collection_name, ef, place.where, metadata=collection_metadata,
                 configuration=cast(Mapping[str, Any] | None, collection_configuration), create=create)
             store = _kv_store(collection, place, data_dir, kv_store, redis_url, storage_dtype)
@@ -567,7 +568,7 @@ def _place(
     if persist_directory is None and data_dir is not None:
         persist_directory = chroma_dir(data_dir)
     if persist_directory is not None:
-        # NOTE: an absolute path names one database (see vectordb.open_client).
+        # NOTE: an absolute path names one database (see chroma.open_client).
         path = Path(persist_directory).expanduser().resolve()
         path.mkdir(parents=True, exist_ok=True)
         return _Place(chromadb.PersistentClient(path=str(path), settings=settings, **scope), "persistent", str(path),
@@ -653,12 +654,12 @@ def _refuse_with_index(**given: Any) -> None:
         )
 
 
-def _chroma_function(embedding_function: Embeddings | vectordb.EmbeddingFn | None) -> vectordb.EmbeddingFn:
+def _chroma_function(embedding_function: Embeddings | chroma.EmbeddingFn | None) -> chroma.EmbeddingFn:
     """The Chroma embedding function the index embeds with."""
     if embedding_function is None:
-        return vectordb.default_embedding_function()
+        return chroma.default_embedding_function()
     if isinstance(embedding_function, Embeddings):
-        return cast(vectordb.EmbeddingFn, ChromaEmbeddings(embedding_function))
+        return cast(chroma.EmbeddingFn, ChromaEmbeddings(embedding_function))
     if callable(embedding_function):
         return embedding_function
     raise InvalidRequestError(
@@ -667,13 +668,13 @@ def _chroma_function(embedding_function: Embeddings | vectordb.EmbeddingFn | Non
     )
 
 
-def _embeddings_of(index: FusionIndex, given: Embeddings | vectordb.EmbeddingFn | None) -> Embeddings | None:
+def _embeddings_of(index: FusionIndex, given: Embeddings | chroma.EmbeddingFn | None) -> Embeddings | None:
     """The LangChain embeddings of an open index; `given` must be the model the index embeds with."""
     ef = index.ingestor.embedding_function
-    if given is not None and vectordb.embedding_id(_chroma_function(given)) != vectordb.embedding_id(ef):
+    if given is not None and chroma.embedding_id(_chroma_function(given)) != chroma.embedding_id(ef):
         raise InvalidRequestError(
-            f"embedding_function embeds with {vectordb.embedding_id(_chroma_function(given))!r}, but the index "
-            f"embeds with {vectordb.embedding_id(ef)!r}; drop embedding_function= (the index's is used)"
+            f"embedding_function embeds with {chroma.embedding_id(_chroma_function(given))!r}, but the index "
+            f"embeds with {chroma.embedding_id(ef)!r}; drop embedding_function= (the index's is used)"
         )
     if isinstance(given, Embeddings):
         return given

@@ -12,11 +12,11 @@ from typing import Any
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 
-from fusionrag_core.vectordb import EMBEDDING_ID, default_embedding_function
+from fusionrag_core.ingest.chroma import EMBEDDING_ID, default_embedding_function
 
 
 class FusionRAGEmbedding(BaseEmbedding):
-    """Thin adapter over `fusionrag_core.vectordb.default_embedding_function` (384-d, unit norm).
+    """Thin adapter over `fusionrag_core.ingest.chroma.default_embedding_function` (384-d, unit norm).
 
     The sentence-transformers model loads on first use. MiniLM embeds queries and passages alike.
     """

@@ -1,7 +1,7 @@
 """FusionRAGLLM: a LlamaIndex `CustomLLM` backed by a `FusionEngine`.
 
 Prompts arrive flattened (one string, or chat messages). Stored chunks whose text occurs in them
-(ingested with `FusionKVTransform`, or learned) are found by content (`fusionrag_core.recognise`),
+(ingested with `FusionKVTransform`, or learned) are found by content (`fusionrag_core.recognise.content_index`),
 as are `mark_chunk` marks, and their caches reused; other text is prefilled. Nodes the query
 retrieved (seen through LlamaIndex instrumentation, observe.py) that had no cache are learned as
 caches. So the standard `index.as_query_engine(llm=FusionRAGLLM(...))` gets reuse with its default
@@ -37,12 +37,13 @@ from llama_index.core.types import PydanticProgramMode
 
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.learn import DEFAULT_MAX_BYTES, LearnConfig, LearnedCaches, open_learned
-from fusionrag_core.model import check_device
 from fusionrag_core.paths import DEFAULT_DATA_DIR, learned_dir
-from fusionrag_core.prompt import FusionPrompt, clean_output
-from fusionrag_core.reuse import ReuseMonitor, ReuseSources
-from fusionrag_core.stitch import Stitched
+from fusionrag_core.query.prompt import FusionPrompt
+from fusionrag_core.query.stitch import Stitched
+from fusionrag_core.recognise.marks import clean_output
+from fusionrag_core.reuse.learned import DEFAULT_MAX_BYTES, LearnConfig, LearnedCaches, open_learned
+from fusionrag_core.reuse.sources import ReuseMonitor, ReuseSources
+from fusionrag_core.runtime.loading import check_device
 from fusionrag_core.store import KVStore, open_store
 from fusionrag_integrations.arguments import normalize_arguments
 from fusionrag_integrations.llama_index.aio import call_in_thread, iterate_in_thread

@@ -1,7 +1,7 @@
 """What a query retrieved and what its LLM calls reused: LlamaIndex instrumentation.
 
 `FusionRAGLLM` learns the KV cache of a retrieved node from the prompt that holds it
-(`fusionrag_core.learn`), so it must know which texts in its prompt are the query's nodes; and a
+(`fusionrag_core.reuse.learned`), so it must know which texts in its prompt are the query's nodes; and a
 query's `response.metadata` should say what its LLM calls reused, on LlamaIndex's standard query
 engine path too. Both come from LlamaIndex's instrumentation (the root dispatcher sees every span
 and event): a span handler records each open span's parent; `RetrievalEndEvent` records the

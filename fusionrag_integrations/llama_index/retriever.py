@@ -3,7 +3,7 @@
 Two sources: a `FusionIndex` (our own Chroma collection, searched by `FusionIndex.search`), or a
 LlamaIndex vector store (e.g. `ChromaVectorStore`) holding FusionRAG chunks: filled by an
 `IngestionPipeline` that ran `FusionKVTransform` (which made every node id the chunk's id), or the
-collection of a `FusionIndex` itself (one entry format, `fusionrag_core.chunk_record`).
+collection of a `FusionIndex` itself (one entry format, `fusionrag_core.ingest.records`).
 Bookkeeping metadata is hidden from LLM and embedding text on every node returned.
 """
 
@@ -19,8 +19,8 @@ from llama_index.core.indices.vector_store.base import VectorStoreIndex
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from llama_index.core.vector_stores.types import BasePydanticVectorStore
 
-from fusionrag_core.chunk_record import CHUNK_ID_KEY, is_chunk_entry, user_metadata
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.ingest.records import CHUNK_ID_KEY, is_chunk_entry, user_metadata
 from fusionrag_integrations.llama_index.embedding import FusionRAGEmbedding
 from fusionrag_integrations.llama_index.transform import hide
 

@@ -3,12 +3,12 @@
 Place it after the node parser (it caches chunks, not whole documents); before or after the embed
 model. For every node it sees it:
 
-1. names the node by content: `node.id_` becomes the chunk id (`fusionrag_core.chunking.chunk_id`
+1. names the node by content: `node.id_` becomes the chunk id (`fusionrag_core.ingest.chunking.chunk_id`
    of the node text without metadata), the one key shared by the vector store and the KV store;
    relationships between the nodes of the batch follow the new ids; a node whose text repeats an
    earlier node of the batch is dropped (one chunk, one id, one cache);
 2. records the chunk id and its fusion state (neighbours, radius) in bookkeeping metadata that LLM
-   and embedder never see: the entry format a `FusionIndex` writes (`fusionrag_core.chunk_record`),
+   and embedder never see: the entry format a `FusionIndex` writes (`fusionrag_core.ingest.records`),
    so the collection is read by FusionIndex, the LangChain retriever and the CLI too;
 3. stores the chunk's independent cache and, with `fuse`, its fused cache: prefilled after its
    `neighbors` most similar chunks of the batch (the FusionRAG offline step). Chunks already
@@ -30,14 +30,14 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.schema import BaseNode, Document, MetadataMode, RelatedNodeInfo, TextNode, TransformComponent
 from llama_index.core.utils import get_tqdm_iterable
 
-from fusionrag_core.chunk_caches import CacheBuilder, Neighbours, batch_neighbours, rank_neighbours
-from fusionrag_core.chunk_record import CHUNK_ID_KEY, RESERVED_KEYS, fusion_state
-from fusionrag_core.chunking import ChunkingConfig, chunk_id
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import FusionRAGError, InvalidRequestError
-from fusionrag_core.ingest import IngestConfig, NeighbourOrder
-from fusionrag_core.kv import neighbours_digest
-from fusionrag_core.recognise import index_content
+from fusionrag_core.ingest.chunking import ChunkingConfig, chunk_id
+from fusionrag_core.ingest.config import IngestConfig, NeighbourOrder
+from fusionrag_core.ingest.fusion import CacheBuilder, Neighbours, batch_neighbours, rank_neighbours
+from fusionrag_core.ingest.records import CHUNK_ID_KEY, RESERVED_KEYS, fusion_state
+from fusionrag_core.recognise.content_index import index_content
+from fusionrag_core.runtime.kv import neighbours_digest
 from fusionrag_core.store import KVStore
 from fusionrag_integrations.llama_index.embedding import FusionRAGEmbedding
 from fusionrag_integrations.llama_index.llm import FusionRAGLLM
@@ -53,7 +53,7 @@ record), hidden from the LLM and the embedder."""
 class FusionKVTransform(TransformComponent):
     """Builds and stores the KV caches of the nodes an `IngestionPipeline` feeds it.
 
-    Fusion follows `fusionrag_core.ingest`: `neighbors`, `fuse` and `neighbour_order` mean what
+    Fusion follows `fusionrag_core.ingest.ingestor`: `neighbors`, `fuse` and `neighbour_order` mean what
     they mean in `IngestConfig`; chunk size and overlap are the node parser's business here.
 
     Example:
@@ -171,7 +171,7 @@ class FusionKVTransform(TransformComponent):
         progress = bool(kwargs.get("show_progress", False))
         texts_by_id = {node.node_id: _chunk_text(node) for node in kept}
         config = self._ingest_config()
-        # NOTE: the core's fusion (fusionrag_core.chunk_caches): the same neighbour ranking, order,
+        # NOTE: the core's fusion (fusionrag_core.ingest.fusion): the same neighbour ranking, order,
         # no-neighbour fallback and context check as FusionIndex ingest, several chunks per pass.
         builder = CacheBuilder(engine, store, config, text_of=texts_by_id.get)
         # NOTE: as ingest does, every chunk also gets its independent cache (the baselines' cache,
@@ -253,7 +253,7 @@ def _rename(nodes: Sequence[BaseNode], ids: list[str]) -> list[BaseNode]:
 
 def _tag(node: BaseNode, neighbours: Neighbours | None, n: int) -> None:
     """Record the chunk id (and the neighbours its fused cache is prefilled after) in metadata hidden
-    from the LLM and the embedder, under the keys a FusionIndex reads (`fusionrag_core.chunk_record`)."""
+    from the LLM and the embedder, under the keys a FusionIndex reads (`fusionrag_core.ingest.records`)."""
     node.metadata[CHUNK_ID_KEY] = node.node_id
     if neighbours is not None:
         node.metadata.update(fusion_state(neighbours, n))

@@ -1,0 +1,83 @@
+"""One decode step's cost at a long context on CPU: eager vs `compile_decode`, next to its floor.
+
+The floor is one matrix-vector product per weight matrix (what any implementation must read).
+The profile splits the eager step into matmuls, attention and the rest (Python, small ops).
+
+    OMP_NUM_THREADS=1 python benchmarks/decode_step.py --context 4000 [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fusionrag_core.engine import EngineConfig, FusionEngine
+from fusionrag_core.runtime.decoder import Decoder
+from fusionrag_core.runtime.kv import KVBuffer
+
+
+def median_step(decoder: Decoder, buf: KVBuffer, n: int) -> float:
+    times = []
+    for _ in range(n):
+        slot = buf.reserve(torch.tensor([buf.length]), valid=True)
+        t0 = time.perf_counter()
+        decoder.decode_step(buf, 5, slot)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def filled(decoder: Decoder, context: int, steps: int) -> KVBuffer:
+    buf = decoder.new_buffer(context + steps)
+    slots = buf.reserve(torch.arange(context), valid=True)
+    decoder.fill(buf, torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(0)), slots)
+    return buf
+
+
+def weights_floor(decoder: Decoder) -> float:
+    mats = [m.weight for m in decoder.model.modules() if isinstance(m, torch.nn.Linear)]
+    x = {w.shape[1]: torch.randn(1, w.shape[1]) for w in mats}
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        for w in mats:
+            torch.nn.functional.linear(x[w.shape[1]], w)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--context", type=int, default=4000)
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--model", default=None)
+    p.add_argument("--compile", action="store_true", help="also time EngineConfig(compile_decode=True)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    engine = FusionEngine.from_pretrained(args.model, device="cpu", dtype=torch.float32)
+    buf = filled(engine.decoder, args.context, 3 * args.steps + 10)
+    median_step(engine.decoder, buf, 3)
+    eager = median_step(engine.decoder, buf, args.steps)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        median_step(engine.decoder, buf, 3)
+    ops = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in ops) / 3e3
+    mm = sum(e.self_cpu_time_total for e in ops if e.key in ("aten::mm", "aten::addmm")) / 3e3
+    att = sum(e.self_cpu_time_total for e in ops if "attention" in e.key) / 3e3
+    print(f"eager step {eager * 1e3:.1f} ms ({1 / eager:.1f} tokens/s); weights floor "
+          f"{weights_floor(engine.decoder) * 1e3:.1f} ms; profiled {total:.1f} ms = matmuls {mm:.1f} + attention "
+          f"{att:.1f} + rest {total - mm - att:.1f} ms")
+    if args.compile:
+        compiled = FusionEngine(engine.model, engine.tokenizer, config=EngineConfig(compile_decode=True))
+        t0 = time.perf_counter()
+        median_step(compiled.decoder, buf, 2)
+        warm = time.perf_counter() - t0
+        step = median_step(compiled.decoder, buf, args.steps)
+        print(f"compile_decode step {step * 1e3:.1f} ms ({1 / step:.1f} tokens/s); compiling took {warm:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""One request, top to bottom: prompt layout, stitch, select, recompute, sampling, audit."""

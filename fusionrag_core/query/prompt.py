@@ -1,0 +1,377 @@
+"""A request as segments: system prefix, context (known chunks and plain text), question.
+
+Each piece is tokenized on its own, so a chunk's token ids are the same at ingest and at query,
+whatever surrounds it. The layout comes from the model's chat template: rendering it once with
+sentinel strings shows where the instruction, the passages and the question go.
+
+Chunks are also found inside a *flattened* prompt (what LangChain and LlamaIndex hand a model) by
+`PromptLayout.from_messages`: by content (stored chunks whose text occurs verbatim, see
+`recognise.ContentIndex`), as retrieved documents (whose K/V may be learned, see `learn.py`), or
+by `mark_chunk` marks, the explicit fast path: private-use code points around the chunk's text
+carrying its chunk id and a MAC under a per-process key, so only this process can make one. Marks
+never reach the tokenizer; text where nothing is found is simply prefilled. A mark whose id has no
+cache (a LangChain *document* id, say) falls back to finding its text by content; each chunk
+segment records which route found it (`Segment.found_by`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.recognise.content_index import ANCHOR_CHARS, Match
+from fusionrag_core.recognise.marks import MarkedChunk, mark_chunk, split_marks
+from fusionrag_core.runtime.compat import tokenize_plain, tokenize_template
+
+DEFAULT_INSTRUCTION = (
+    "Answer the question using the passages. Reply with a short answer only: a name, place, date or short phrase."
+)
+CHUNK_SEPARATOR = "\n\n"
+QUESTION_TEMPLATE = "Question: {question}"
+
+_SENTINEL_CONTEXT, _SENTINEL_QUESTION = "\ue010CONTEXT\ue010", "\ue011QUESTION\ue011"
+# NOTE: a special-token string inside a message's content (`<|im_start|>` typed by a user or held by
+# a document) is replaced by ESCAPE_OPEN index ESCAPE_CLOSE before the chat template renders it, and
+# the escape is tokenized as plain text: only the template's own special strings become control tokens.
+# An escape a user writes is harmless: it too is tokenized as plain text.
+_ESCAPE_OPEN, _ESCAPE_CLOSE = "\ue005", "\ue006"
+_ESCAPE_RE = re.compile(f"{_ESCAPE_OPEN}([0-9]{{1,4}}){_ESCAPE_CLOSE}")
+
+
+FoundBy = Literal["given", "mark", "content", "document", "mark_then_content", "mark_then_document"]
+"""How a chunk segment was found: named by id in a canonical prompt ("given"); by its `mark_chunk`
+mark; by content (a stored chunk's text, `recognise.ContentIndex`); as a retrieved document's text;
+or, for a mark whose id has no cache, by its marked text's content or as a retrieved document
+("mark_then_content", "mark_then_document")."""
+
+_AFTER_MARK: dict[str, FoundBy] = {"content": "mark_then_content", "document": "mark_then_document"}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A piece of context. `chunk_id` set: a chunk whose cache may be reused; else plain text.
+
+    Attributes:
+        kind: "chunk" or "text".
+        token_ids: `[T]` int64: the chunk's text, tokenized alone, then the passage separator when
+            the prompt has one there (a cache with more tokens is then reused for its first `T`).
+        chunk_id: the id its cache is looked up by.
+        text: the chunk's text, when known (a chunk found in a flattened prompt).
+        learn: whether the K/V computed for it, when it had no cache, may be kept as its cache
+            (chunks found by content or retrieved documents: their id is their content's).
+        found_by: how a chunk was found (see `FoundBy`); None for plain text.
+    """
+
+    kind: Literal["chunk", "text"]
+    token_ids: torch.Tensor  # [T] int64
+    chunk_id: str | None = None
+    text: str | None = None
+    learn: bool = False
+    found_by: FoundBy | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class FusionPrompt:
+    """prefix (computed exactly, memoised) + context segments + question (always computed fresh)."""
+
+    prefix: torch.Tensor  # [P] int64
+    segments: tuple[Segment, ...]
+    question: torch.Tensor  # [Q] int64
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.question.numel() == 0:
+            raise InvalidRequestError("the question is empty: pass a non-empty question")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.prefix.shape[0]) + sum(s.num_tokens for s in self.segments) + int(self.question.shape[0])
+
+    def token_ids(self) -> torch.Tensor:
+        """The whole prompt `[T]`, as a plain prefill would see it."""
+        return torch.cat([self.prefix, *(s.token_ids for s in self.segments), self.question])
+
+
+def _ids(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64)
+
+
+class PromptLayout:
+    """Where instruction, passages and question go for one tokenizer, derived from its chat template."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        self._separator = tokenize_plain(tokenizer, CHUNK_SEPARATOR)
+        self._specials = _special_strings(tokenizer)
+        self._special_index = {special: i for i, special in enumerate(self._specials)}
+        self._special_re = re.compile("|".join(map(re.escape, self._specials))) if self._specials else None
+
+    # ---- canonical layout: instruction + passages + question -------------------------------------
+    def _render(self, instruction: str) -> tuple[str, str]:
+        """(text before the passages, text after the question) for this instruction."""
+        if not self.has_template:
+            bos = self.tokenizer.bos_token or ""
+            return f"{bos}{instruction}{CHUNK_SEPARATOR}", "\nAnswer:"
+        user = f"{_SENTINEL_CONTEXT}{_SENTINEL_QUESTION}"
+        try:
+            text = self._apply([{"role": "system", "content": instruction}, {"role": "user", "content": user}])
+        except Exception:  # templates without a system role (some raise): fold it into the user turn
+            text = self._apply([{"role": "user", "content": f"{instruction}{CHUNK_SEPARATOR}{user}"}])
+        before, _, rest = text.partition(_SENTINEL_CONTEXT)
+        _, _, after = rest.partition(_SENTINEL_QUESTION)
+        return before, after
+
+    def _apply(self, messages: Sequence[Mapping[str, str]]) -> str:
+        text = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                                  add_generation_prompt=True)
+        return str(text)
+
+    def prefix_ids(self, instruction: str = DEFAULT_INSTRUCTION) -> torch.Tensor:
+        """`[P]` ids of everything before the first passage."""
+        return _ids(tokenize_template(self.tokenizer, self._render(instruction)[0]))
+
+    def chunk_ids(self, text: str) -> torch.Tensor:
+        """`[T]` ids of one passage as it is cached: its text, then the passage separator."""
+        if not text.strip():
+            raise InvalidRequestError("a chunk's text is empty")
+        return _ids(tokenize_plain(self.tokenizer, text) + self._separator)
+
+    def question_ids(self, question: str, instruction: str = DEFAULT_INSTRUCTION) -> torch.Tensor:
+        """`[Q]` ids of the question line plus the template's closing (e.g. the assistant header)."""
+        if not question.strip():
+            raise InvalidRequestError("the question is empty: pass a non-empty question")
+        closing = self._render(instruction)[1]
+        return _ids(tokenize_plain(self.tokenizer, QUESTION_TEMPLATE.format(question=question.strip()))
+                    + tokenize_template(self.tokenizer, closing))
+
+    def build(
+        self,
+        chunks: Sequence[tuple[str | None, torch.Tensor]],
+        question: str,
+        instruction: str = DEFAULT_INSTRUCTION,
+    ) -> FusionPrompt:
+        """The canonical request: `chunks` are `(chunk_id or None, token ids)` pairs, in prompt order."""
+        segments = tuple(
+            Segment("chunk", ids, cid, found_by="given") if cid else Segment("text", ids) for cid, ids in chunks
+        )
+        return FusionPrompt(self.prefix_ids(instruction), segments, self.question_ids(question, instruction))
+
+    def full_text(self, passages: Sequence[str], question: str, instruction: str = DEFAULT_INSTRUCTION) -> str:
+        """What `apply_chat_template` renders for the same request (for checks and plain baselines)."""
+        before, after = self._render(instruction)
+        context = "".join(p + CHUNK_SEPARATOR for p in passages)
+        return f"{before}{context}{QUESTION_TEMPLATE.format(question=question.strip())}{after}"
+
+    # ---- flattened prompts from frameworks -------------------------------------------------------
+    def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """The conversation as the model reads it (its chat template, or plain turns without one).
+
+        Special-token strings inside message contents come out escaped (see `_ESCAPE_OPEN`): pass
+        the result to `tokenize_rendered`, never to a tokenizer directly.
+        """
+        if not messages:
+            raise InvalidRequestError("no messages: pass at least one user message")
+        escaped = [{**m, "content": self.escape(m["content"])} for m in messages]
+        if self.has_template:
+            return str(self.tokenizer.apply_chat_template(
+                escaped, tokenize=False, add_generation_prompt=add_generation_prompt))
+        text = "\n\n".join(m["content"] for m in escaped) + ("\nAnswer:" if add_generation_prompt else "")
+        return (self.tokenizer.bos_token or "") + text
+
+    def escape(self, text: str) -> str:
+        """User or document text with every special-token string replaced by an escape."""
+        # NOTE: genuine marks pass unchanged (their MAC covers the text; it is tokenized as plain text).
+        return "".join(self._escape_text(p) if isinstance(p, str) else mark_chunk(p.chunk_id, p.text)
+                       for p in split_marks(text))
+
+    def _escape_text(self, text: str) -> str:
+        """`escape` for text read as plain context through and through (a mark's own text included)."""
+        if self._special_re is None:
+            return text
+        index = self._special_index
+        return self._special_re.sub(lambda m: f"{_ESCAPE_OPEN}{index[m.group(0)]}{_ESCAPE_CLOSE}", text)
+
+    def unescape(self, text: str) -> str:
+        """`escape`'s inverse: the text as the user or the document wrote it."""
+        return _ESCAPE_RE.sub(lambda m: self._special_at(m.group(0), int(m.group(1))), text)
+
+    def tokenize_rendered(self, text: str) -> list[int]:
+        """Ids of rendered text: the template's special strings are specials, escaped ones plain text."""
+        ids: list[int] = []
+        parts = _ESCAPE_RE.split(text)  # [template text, escape index, template text, ...]
+        for j, part in enumerate(parts):
+            if j % 2:
+                escaped = f"{_ESCAPE_OPEN}{part}{_ESCAPE_CLOSE}"
+                ids += tokenize_plain(self.tokenizer, self._special_at(escaped, int(part)))
+            elif part:
+                ids += tokenize_template(self.tokenizer, part)
+        return ids
+
+    def _special_at(self, escaped: str, i: int) -> str:
+        # NOTE: a escape index out of range was written by a user, not by `escape`: it stays as written.
+        return self._specials[i] if i < len(self._specials) else escaped
+
+    def from_messages(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        find: Callable[[str], Sequence[Match]] | None = None,
+        documents: Mapping[str, str] | None = None,
+        has_cache: Callable[[str], bool] | None = None,
+    ) -> FusionPrompt:
+        """Split a rendered conversation into a FusionPrompt at the chunks found in it.
+
+        Chunks are found three ways: `mark_chunk` marks made in this process; stored chunks whose
+        text occurs verbatim (`find`, e.g. `ContentIndex.find`); and `documents` (content id ->
+        text of documents retrieved for this request), whose K/V may be learned as their cache.
+        Each becomes a chunk segment (its cache is used only if the token ids match); text between
+        chunks is plain context; text before the first is the prefix, after the last the question.
+
+        With `has_cache` (is a cache stored under this id?), a mark whose id has none is read as
+        context: its text is searched by content and for documents like any other text (a long
+        document's text finds its several chunks, in order), and what is found there is reused
+        with `found_by` "mark_then_content" / "mark_then_document". A mark whose text holds
+        nothing found stays a chunk under its own id (a reported miss). Without `has_cache`
+        every mark is taken at its id.
+        """
+        rendered = self.render(messages, add_generation_prompt=add_generation_prompt)
+        docs = {cid: self.escape(doc) for cid, doc in (documents or {}).items()}
+        pieces: list[str | _Found] = []
+        for part in split_marks(rendered):
+            if isinstance(part, str):
+                pieces += _recognised(part, find, docs)
+            elif has_cache is None or has_cache(part.chunk_id):
+                pieces.append(_Found(part.chunk_id, part.text, "mark"))
+            else:
+                pieces += self._mark_fallback(part, find, docs)
+        pieces = _joined(pieces)
+        if not any(isinstance(p, _Found) for p in pieces):
+            return FusionPrompt(_ids([]), (), _ids(self.tokenize_rendered("".join(map(str, pieces)))))
+        first = next(i for i, p in enumerate(pieces) if isinstance(p, _Found))
+        prefix = _ids(self.tokenize_rendered("".join(str(p) for p in pieces[:first])))
+        segments: list[Segment] = []
+        tail = ""
+        for i in range(first, len(pieces)):
+            piece = pieces[i]
+            if isinstance(piece, str):
+                tail = piece
+                continue
+            if tail:
+                segments.append(Segment("text", _ids(self.tokenize_rendered(tail))))
+            tail = ""
+            segments.append(self._chunk_segment(piece, pieces, i))
+        if not tail and segments[-1].learn:
+            # NOTE: a prompt that ends with a found chunk's text: that text is the question.
+            tail = segments.pop().text or ""
+        question = _ids(self.tokenize_rendered(tail))
+        if question.numel() == 0:
+            raise InvalidRequestError("the prompt ends with a chunk: put the question after the context")
+        return FusionPrompt(prefix, tuple(segments), question)
+
+    def _mark_fallback(self, mark: MarkedChunk, find: Callable[[str], Sequence[Match]] | None,
+                       documents: Mapping[str, str]) -> list[str | _Found]:
+        """A mark whose id has no cache: the chunks found in its text, else the mark (a miss).
+
+        NOTE: no text chooses a cache here either: content matches are verified by a digest of a
+        stored chunk's whole text, and documents are this request's retrieved texts under their
+        content id. The text is escaped like any context (its special-token strings stay plain).
+        """
+        pieces = _recognised(self._escape_text(mark.text), find, documents)
+        if find is not None:
+            # NOTE: a chunk too short for an anchor (often a long document's last) is found whole, in its gap.
+            pieces = [q for p in pieces for q in (
+                _recognised(p, find, {}) if isinstance(p, str) and 0 < len(p.strip()) < ANCHOR_CHARS else [p])]
+        if not any(isinstance(p, _Found) for p in pieces):
+            return [_Found(mark.chunk_id, mark.text, "mark")]
+        routed = [replace(p, source=_AFTER_MARK[p.source]) if isinstance(p, _Found) else p for p in pieces]
+        # NOTE: a mark stands for "text + separator": the separator stays, taken into a chunk that ends the text.
+        return [*routed, CHUNK_SEPARATOR]
+
+    def _chunk_segment(self, found: _Found, pieces: list[str | _Found], i: int) -> Segment:
+        """A found chunk as a segment; a separator right after it in the prompt is taken into it.
+
+        NOTE: a marked chunk always gets the separator (its mark stands for "text + separator").
+        """
+        following = pieces[i + 1] if i + 1 < len(pieces) else ""
+        if found.source != "mark":  # found in escaped text: the chunk as its document wrote it
+            found = replace(found, text=self.unescape(found.text))
+        if found.source == "mark":
+            ids = self.chunk_ids(found.text)
+        elif isinstance(following, str) and following.startswith(CHUNK_SEPARATOR) and (
+                len(following) > len(CHUNK_SEPARATOR) or i + 2 < len(pieces)):
+            ids = self.chunk_ids(found.text)
+            pieces[i + 1] = following[len(CHUNK_SEPARATOR):]
+        else:
+            ids = _ids(tokenize_plain(self.tokenizer, found.text))
+        return Segment("chunk", ids, found.chunk_id, found.text, learn=found.source != "mark", found_by=found.source)
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A chunk found in a rendered prompt, and how."""
+
+    chunk_id: str
+    text: str
+    source: FoundBy
+
+
+def _recognised(text: str, find: Callable[[str], Sequence[Match]] | None,
+                documents: Mapping[str, str]) -> list[str | _Found]:
+    """Plain `text` as plain pieces and the chunks found in it, in order: content first, then documents."""
+    spans = [(m.start, m.end, m.chunk_id, "content") for m in find(text)] if find is not None else []
+    spans += _document_spans(text, documents, spans)
+    out: list[str | _Found] = []
+    at = 0
+    for start, end, chunk_id, source in sorted(spans):
+        out += [text[at:start], _Found(chunk_id, text[start:end], source)]  # type: ignore[arg-type]
+        at = end
+    return [*out, text[at:]]
+
+
+def _joined(pieces: Sequence[str | _Found]) -> list[str | _Found]:
+    """`pieces` with adjacent plain pieces joined and empty ones dropped."""
+    out: list[str | _Found] = []
+    for piece in pieces:
+        if isinstance(piece, str) and out and isinstance(out[-1], str):
+            out[-1] += piece
+        elif piece != "":
+            out.append(piece)
+    return out
+
+
+def _document_spans(text: str, documents: Mapping[str, str],
+                    taken: Sequence[tuple[int, int, str, str]]) -> list[tuple[int, int, str, str]]:
+    """Where the documents' texts occur in `text`, clear of `taken` spans and of each other."""
+    spans = list(taken)
+    found: list[tuple[int, int, str, str]] = []
+    for chunk_id, doc in documents.items():
+        if not doc.strip():
+            continue
+        at = text.find(doc)
+        while at >= 0:
+            end = at + len(doc)
+            if all(end <= s or at >= e for s, e, _, _ in spans):
+                spans.append((at, end, chunk_id, "document"))
+                found.append(spans[-1])
+            at = text.find(doc, end)
+    return found
+
+
+def _special_strings(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """Every special-token string of `tokenizer`, longest first (so a longer one wins a regex)."""
+    specials = set(tokenizer.all_special_tokens)
+    specials.update(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
+    return tuple(sorted((s for s in specials if s), key=len, reverse=True))
+
