@@ -75,7 +75,7 @@ if [[ $only_equivalence == 1 ]]; then
 fi
 
 fusionrag="$python -m fusionrag_core.cli"
-common=(--data "$data" --limit 20 --ratios 0.05,0.15,0.3 --storage-dtype bfloat16 --neighbors 9)
+common=(--data "$data" --limit 20 --ratios 0.05,0.15,0.3 --storage-dtype bfloat16 --neighbours 9)
 $fusionrag --device cuda --dtype bfloat16 bench "${common[@]}" --max-passage-tokens 400 --out "$out/smollm2-4k"
 $fusionrag --device cuda --dtype bfloat16 --model gemma3-270m bench "${common[@]}" --max-passage-tokens 1600 \
     --out "$out/gemma3-6k"

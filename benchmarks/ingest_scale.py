@@ -1,7 +1,7 @@
 """Fused ingest throughput (chunks/min): packed prefills (batch 1 vs B) and Ray workers (1 vs N).
 
 Every configuration ingests the same passages (MuSiQue dev, cut into `--chunk-tokens` chunks) into
-a fresh index (embedded Chroma + disk store in a temp directory) with `--neighbors` neighbours, and
+a fresh index (embedded Chroma + disk store in a temp directory) with `--neighbours` neighbours, and
 is timed around `add_texts` (chunking, independent caches, embeddings, neighbour graph, fused caches,
 Chroma writes). Ray pools are started before the clock starts (model loading is not ingest work).
 
@@ -60,7 +60,7 @@ def load_engine(model: str | None, shape: str | None, tokenizer: str | None, dev
     torch_dtype = getattr(torch, dtype)
     if shape is None:
         return FusionEngine.from_pretrained(model, device=device, dtype=torch_dtype)
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     from ttft_scale import SHAPES, build_engine  # NOTE: one definition of the random-weight shapes.
 
     if tokenizer is None:
@@ -92,21 +92,21 @@ def passages(engine: FusionEngine, data: Path, chunks: int, chunk_tokens: int) -
 PHASES = (
     ("chunking", "ingest.py", "_cut"),
     ("independent caches (prefills, blob hand-over)", "ingest.py", "_independent_caches"),
-    ("embeddings (on this thread)", "ingest.py", "_embed"),
+    ("embeddings (on this thread)", "ingestor.py", "_embed"),
     ("waiting for the embedding thread", "_base.py", "result"),
-    ("neighbour graph", "ingest.py", "_find_neighbours"),
-    ("existing chunks affected", "ingest.py", "_affected_by"),
-    ("fused caches + Chroma batches", "ingest.py", "_add_new"),
-    ("  of which: fused prefills", "chunk_caches.py", "fused"),
+    ("neighbour graph", "ingestor.py", "_find_neighbours"),
+    ("existing chunks affected", "ingestor.py", "_affected_by"),
+    ("fused caches + Chroma batches", "ingestor.py", "_add_new"),
+    ("  of which: fused prefills", "fusion.py", "fused"),
     ("    of which: fusion drift (vs the independent cache)", "drift.py", "fusion_drift"),
-    ("  of which: Chroma adds", "vectordb.py", "add_chunks"),
-    ("  of which: waiting for the blob writer", "blob_writer.py", "flush"),
+    ("  of which: Chroma adds", "chroma.py", "add_chunks"),
+    ("  of which: waiting for the blob writer", "writer.py", "flush"),
     ("all prefills (LLM forward passes)", "engine.py", "chunk_caches"),
     ("  of which: linear layers", "~", "<built-in method torch._C._nn.linear>"),
     ("  of which: neighbours re-rotated into the buffer", "stitch.py", "append_shifted"),
     ("blob writes on this thread (encode + fsync + rename)", "disk.py", "put"),
-    ("re-fusion of existing chunks", "ingest.py", "fuse_pending"),
-    ("orphan sweep", "ingest.py", "_sweep_orphans"),
+    ("re-fusion of existing chunks", "ingestor.py", "fuse_pending"),
+    ("orphan sweep", "ingestor.py", "_sweep_orphans"),
 )
 
 
@@ -155,14 +155,14 @@ def warm_up(engine: FusionEngine, texts: list[str], config: IngestConfig, root: 
     FusionIndex.open(engine, root, config=config).add_texts(texts[:2])
 
 
-def prefill_rates(engine: FusionEngine, batches: list[int], chunk_tokens: int, neighbors: int,
+def prefill_rates(engine: FusionEngine, batches: list[int], chunk_tokens: int, neighbours: int,
                   chunks: int = 16) -> list[dict[str, Any]]:
     """Where packing can gain: CPU ms per chunk of the prefills alone (no store, no Chroma), per
-    packed batch size, independent and fused (after `neighbors` caches), next to the fp32 GEMM rate
+    packed batch size, independent and fused (after `neighbours` caches), next to the fp32 GEMM rate
     of the model's MLP shape at the pass's row count (the linear layers are most of a prefill)."""
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(100, 20000, (chunk_tokens,), generator=g) for _ in range(chunks)]
-    caches = [engine.chunk_cache(t) for t in ids[:neighbors]]
+    caches = [engine.chunk_cache(t) for t in ids[:neighbours]]
     rows: list[dict[str, Any]] = []
     for b in batches:
         row: dict[str, Any] = {"prefill_batch": b}
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--chunks", type=int, default=64, help="about this many chunks per run")
     ap.add_argument("--chunk-tokens", type=int, default=80)
-    ap.add_argument("--neighbors", type=int, default=10)
+    ap.add_argument("--neighbours", type=int, default=10)
     ap.add_argument("--batches", default="1,8", help="packed prefill batch sizes, local runs")
     ap.add_argument("--prefill-tokens", type=int, default=IngestConfig.prefill_tokens,
                     help="most KV slots of one packed pass (IngestConfig.prefill_tokens); a fused 512-token "
@@ -261,10 +261,10 @@ def main(argv: list[str] | None = None) -> None:
     texts = passages(engine, args.data, args.chunks, args.chunk_tokens)
     runs: list[tuple[str, IngestConfig, RayConfig | None]] = []
     for b in [int(x) for x in args.batches.split(",") if x]:
-        runs.append((f"local batch {b}", IngestConfig(chunk_tokens=args.chunk_tokens, neighbors=args.neighbors,
+        runs.append((f"local batch {b}", IngestConfig(chunk_tokens=args.chunk_tokens, neighbours=args.neighbours,
                                                        prefill_batch=b, prefill_tokens=args.prefill_tokens), None))
     for w in [int(x) for x in args.ray_workers.split(",") if x]:
-        config = IngestConfig(chunk_tokens=args.chunk_tokens, neighbors=args.neighbors, prefill_batch=args.ray_batch,
+        config = IngestConfig(chunk_tokens=args.chunk_tokens, neighbours=args.neighbours, prefill_batch=args.ray_batch,
                               prefill_tokens=args.prefill_tokens)
         runs.append((f"ray {w} worker(s) x 1 thread, batch {args.ray_batch}", config,
                      RayConfig(factory, address="local", workers=w, threads_per_worker=1)))
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     prefill: list[dict[str, Any]] = []
     if args.prefills:
         prefill = prefill_rates(engine, [int(x) for x in args.batches.split(",") if x], args.chunk_tokens,
-                                args.neighbors)
+                                args.neighbours)
         for row in prefill:
             print(json.dumps(row), flush=True)
     ceiling: dict[int, float] = {}
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"gemm_gflops_by_processes": ceiling}), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": args.device, "dtype": args.dtype, "model": args.shape or args.model or "packaged SmolLM2-135M",
-            "chunk_tokens": args.chunk_tokens, "neighbors": args.neighbors, "torch": torch.__version__,
+            "chunk_tokens": args.chunk_tokens, "neighbours": args.neighbours, "torch": torch.__version__,
             "cpus": platform.processor() or platform.machine(), "argv": sys.argv[1:],
             "gemm_gflops_by_processes": ceiling, "prefills": prefill, "profiled": args.profile,
             "torch_threads": torch.get_num_threads(), "git": git_describe()}

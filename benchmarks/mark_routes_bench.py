@@ -45,7 +45,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         store = FusionRAGVectorStore(collection_name="bench", embedding_function=DeterministicFakeEmbedding(size=8),
                                      persist_directory=directory, engine=engine,
-                                     config=IngestConfig(chunk_tokens=256, neighbors=2))
+                                     config=IngestConfig(chunk_tokens=256, neighbours=2))
         store.add_texts(texts, ids=[f"d{i}" for i in range(len(texts))])
         docs = store.get_by_ids([f"d{i}" for i in range(args.docs)])
         got = store.index.collection.get(include=["documents"])

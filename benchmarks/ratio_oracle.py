@@ -6,7 +6,7 @@ minimises the mean KL subject to an average recompute share of at most `--budget
 programme over the rows; shares in units of 0.25%). A real adaptive signal can only do worse, so
 if this misses a target at that average, no adaptive mode over these ratios meets it.
 
-    python benchmarks/ratio_oracle.py benchmarks/results/two-stage-explore/smol-grid.json --selector fusion_aware_early
+    python benchmarks/ratio_oracle.py benchmarks/results/drift-explore/smol-grid.json --selector drift_aware
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def oracle(rows: list[dict[str, tuple[float, float]]], budget: float) -> tuple[f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", type=Path)
-    ap.add_argument("--selector", default="fusion_aware_early", help="spec prefix (study) or method (bench)")
+    ap.add_argument("--selector", default="drift_aware", help="spec prefix (study) or method (bench)")
     ap.add_argument("--budget", type=float, default=0.075, help="largest average recompute share")
     args = ap.parse_args()
     rows = per_row(json.loads(args.results.read_text()), args.selector)

@@ -12,7 +12,7 @@ everything else (rope, buffer writes, gathers, norms, merges, planning, Python).
   (`attention_share`), both at the full prefill's own per-row / per-score rates, plus nothing else.
 
     OMP_NUM_THREADS=1 python benchmarks/recompute_anatomy.py --data ../shared/datasets/musique_dev.jsonl \
-        --max-passage-tokens 400 --out /tmp/anatomy.json
+        --max-passage-tokens 400 --out bench-out/anatomy.json
 """
 
 from __future__ import annotations

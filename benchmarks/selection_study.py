@@ -6,28 +6,25 @@ job, their confirmation the bench's). It ingests the rows' passages into one sha
 `fusionrag bench --corpus shared`: one chunk per passage, fused after its corpus-wide neighbours),
 loads each prompt's caches once (fused; the first chunk's independent one, exact after the prefix,
 as the engine does), then per row runs full attention once and every spec as the engine runs it
-(stitch -> select -> recompute), keeping per row the KL, agreement and recompute share, plus the
-two-stage signals of `--signal-ratio`: how far the question's attention moved once stage 1's
-tokens are recomputed (total variation between the two probes' chunk distributions).
+(stitch -> select -> recompute), keeping per row the KL, agreement and recompute share.
 
 `--answer-tokens N` also scores beyond the first token: full attention's greedy answer (up to N
 tokens) is fed through each spec's cache after its recompute pass (teacher-forced), and the mean
 KL vs full attention over answer positions 2..N is kept as `answer_kl` (a selector tuned to the
 first token's distribution must not pay for it later in the answer).
 
-    flock /work/wt/bench.lock env OMP_NUM_THREADS=1 python benchmarks/selection_study.py \\
+    OMP_NUM_THREADS=1 python benchmarks/selection_study.py \\
         --data ../shared/datasets/musique_dev.jsonl --skip 20 --rows 10 \\
-        --specs fusion_aware_early@0.05,fusion_aware_early@0.15,two_stage@0.15 --out /tmp/study.json
+        --specs query_guided@0.15,drift_aware@0.05,drift_aware@0.15 --out bench-out/study.json
 
 A spec is `selector@ratio` optionally followed by `:knob=value` SelectConfig overrides
-(`two_stage@0.15:two_stage_share=0.33`); `none` sets a knob to None (`drift_aware@0.15:last_token_share=none`).
+(`drift_aware@0.15:probe_depths=0.5/1.0`); `none` sets a knob to None (`drift_aware@0.15:last_token_share=none`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import tempfile
 import time
@@ -44,7 +41,7 @@ from fusionrag_core.ingest import chroma
 from fusionrag_core.query.divergence import first_token_agree, first_token_kl
 from fusionrag_core.query.recompute import recompute
 from fusionrag_core.query.sampling import SamplingConfig
-from fusionrag_core.query.select import SelectConfig, _inexact, _top, attention_drop, get_selector, question_attention
+from fusionrag_core.query.select import SelectConfig, get_selector
 from fusionrag_core.query.stitch import Stitched, stitch
 from fusionrag_core.runtime.kv import ChunkKV
 
@@ -105,25 +102,6 @@ def full_attention_answer(engine: FusionEngine, prompt: Any, caches: dict[str, t
         out.append(decode_at(engine, st, tokens[-1], prompt.num_tokens + len(tokens) - 1))
 
 
-def signals(engine: FusionEngine, prompt: Any, caches: dict[str, tuple[ChunkKV, ChunkKV]], ratio: float,
-            depths: tuple[float, ...]) -> dict[str, float]:
-    """Stage-1 picks at `ratio`, then how the question's attention moved when they are recomputed."""
-    st = stitched(engine, prompt, caches)
-    slots, s1 = _inexact(st, st.reusable_slots, question_attention(st, depths))
-    first = _top(slots, s1, math.ceil(ratio * st.num_reused_tokens))  # as two_stage_adaptive's stage 1
-    _, s2 = _inexact(st, st.reusable_slots, question_attention(st, depths, fresh=first))
-    s1n, s2n = s1 / s1.sum(), s2 / s2.sum()
-    # how far stage 1's recompute moves the first token's distribution away from full reuse's
-    reuse, _ = recompute(stitched(engine, prompt, caches), first[:0])
-    staged, _ = recompute(stitched(engine, prompt, caches), first)
-    return {
-        "output_shift": first_token_kl(staged, reuse),
-        "tv_shift": 0.5 * float((s2n - s1n).abs().sum()),
-        "attention_drop": attention_drop(s1, s2, slots, first),
-        "entropy_1": float(-(s1n * s1n.clamp_min(1e-30).log()).sum()),
-    }
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
@@ -131,20 +109,17 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=20)
     ap.add_argument("--rows", type=int, default=10)
     ap.add_argument("--max-passage-tokens", type=int, default=80)
-    ap.add_argument("--neighbors", type=int, default=10)
+    ap.add_argument("--neighbours", type=int, default=10)
     ap.add_argument("--specs", required=True, help="comma-separated selector@ratio[:knob=value...]")
-    ap.add_argument("--signal-ratio", type=float, default=0.05)
-    ap.add_argument("--signal-depths", default="0.75")
     ap.add_argument("--answer-tokens", type=int, default=0,
                     help="also keep the teacher-forced KL over full attention's answer positions 2..N")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     specs = [(s, *parse_spec(s)) for s in args.specs.split(",") if s]
-    depths = tuple(float(d) for d in args.signal_depths.split("/"))
     engine = FusionEngine.from_pretrained(args.model)
     rows = load_rows(args.data, args.skip + args.rows)[args.skip:]
     passages = [row_passages(row, engine, args.max_passage_tokens) for row in rows]
-    config = BenchConfig(data=args.data, neighbors=args.neighbors, corpus="shared")
+    config = BenchConfig(data=args.data, neighbours=args.neighbours, corpus="shared")
     ef = chroma.default_embedding_function()
     one = SamplingConfig(max_new_tokens=1)
     out_rows: list[dict[str, Any]] = []
@@ -165,7 +140,6 @@ def main() -> None:
                                  for v in ("independent", "fused")) for cid, _ in own}
             reference = engine.full_attention(prompt, sampling=one).collect().first_token_logits
             record: dict[str, Any] = {"row": args.skip + i, "prompt_tokens": prompt.num_tokens,
-                                      "signals": signals(engine, prompt, caches, args.signal_ratio, depths),
                                       "kl": {}, "agree": {}, "share": {}, "select_s": {}, "answer_kl": {}}
             if args.answer_tokens:
                 answer, answer_logits = full_attention_answer(engine, prompt, caches, args.answer_tokens)

@@ -7,7 +7,7 @@ float16 store (KL(fp16 || dtype)) and with full attention. Load time is the medi
 passage's cache (page cache warm; checksum and decode included).
 
     OMP_NUM_THREADS=1 python benchmarks/storage_dtype_study.py --data ../shared/datasets/musique_dev.jsonl \
-        --rows 3 --max-passage-tokens 200 --out /tmp/storage.json
+        --rows 3 --max-passage-tokens 200 --out bench-out/storage.json
 """
 
 from __future__ import annotations

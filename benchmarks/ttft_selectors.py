@@ -2,10 +2,10 @@
 
 For each MuSiQue row of a slice (passages cut to `--max-passage-tokens`, ~800-token prompts at 10
 passages of 80 tokens), with the chunk caches already in memory (independent ones; `--fused`: each
-passage fused after the row's other passages, with its fusion drift, as the `drift_*` selectors
-read it; the store load is the same for all selectors), it
-times every selector in `--selectors` at `--ratio` in rounds: each round runs every selector once,
-in an order rotated from round to round, so machine drift hits them alike. Per request it keeps
+passage fused after the row's other passages, with its fusion drift, as `drift_aware` reads it;
+the store load is the same for all selectors), it times every selector in `--selectors` at
+`--ratio` in rounds: each round runs every selector once, in an order rotated from round to round,
+so machine drift hits them alike. Per request it keeps
 
 * `ttft`: the engine's own time to first token (stitch + select + recompute + first sample);
 * `select`: the selector alone (the query-guided probe, CacheBlend's early-layer pass), timed
@@ -17,8 +17,8 @@ and row (the reference is `--reference`, default CacheBlend's `kv_deviation`): i
 interquartile range over all rows x rounds say whether a difference is outside the noise of a
 shared machine.
 
-    flock /work/wt/bench.lock python benchmarks/ttft_selectors.py --data ../shared/datasets/musique_dev.jsonl \
-        --skip 0 --rows 4 --rounds 8 --out /tmp/ttft_selectors.json
+    python benchmarks/ttft_selectors.py --data ../shared/datasets/musique_dev.jsonl \
+        --skip 0 --rows 4 --rounds 8 --out bench-out/ttft_selectors.json
 """
 
 from __future__ import annotations
@@ -89,10 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-passage-tokens", type=int, default=80)
     p.add_argument("--ratio", type=float, default=0.15)
     p.add_argument("--rounds", type=int, default=8, help="timed rounds per row (after one warm-up round)")
-    p.add_argument("--selectors", default="kv_deviation,query_guided,query_guided_early,fusion_aware,"
-                                          "fusion_aware_early",
-                   help="comma-separated selector names, each optionally @ratio (an adaptive mode's ceiling); "
-                        "default ratio: --ratio")
+    p.add_argument("--selectors", default="kv_deviation,query_guided,drift_aware",
+                   help="comma-separated selector names, each optionally @ratio; default ratio: --ratio")
     p.add_argument("--reference", default="kv_deviation")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--fused", action="store_true",
@@ -111,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     select_s: dict[str, list[float]] = {s: [] for s in selectors}
     recompute_s: dict[str, list[float]] = {s: [] for s in selectors}
     paired: dict[str, list[float]] = {s: [] for s in selectors}
-    share: dict[str, list[float]] = {s: [] for s in selectors}  # recomputed / reused chunk tokens (adaptive modes)
+    share: dict[str, list[float]] = {s: [] for s in selectors}  # recomputed / reused chunk tokens
     prompt_tokens = []
     for r, row in enumerate(rows):
         passages = row_passages(row, engine, args.max_passage_tokens)

@@ -21,7 +21,7 @@ where rows see more keys, so it exceeds the token share). Run it before and afte
 the same machine, in the same minutes: the machine is shared, so only ratios mean anything.
 
     OMP_NUM_THREADS=1 python benchmarks/where_time_goes.py --data ../shared/datasets/musique_dev.jsonl \
-        --rows 2 --max-passage-tokens 400 --out /tmp/wtg.json
+        --rows 2 --max-passage-tokens 400 --out bench-out/wtg.json
 """
 
 from __future__ import annotations

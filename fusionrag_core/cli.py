@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from fusionrag_core.bench.methods import DEFAULT_METHODS, DEFAULT_RATIOS, METHODS
 from fusionrag_core.errors import FusionRAGError, InvalidRequestError
 from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_dir
+from fusionrag_core.query.selectors import DEFAULT_SELECTOR, selector_help
 
 if TYPE_CHECKING:
     from fusionrag_core.engine import FusionEngine, Generation
@@ -36,10 +37,6 @@ if TYPE_CHECKING:
 PROG = "fusionrag"
 TEXT_SUFFIXES = (".txt", ".md", ".markdown")
 PDF_SUFFIX = ".pdf"
-SELECTOR_NAMES = ("drift_aware (FusionRAG, cheaper probe, attention weighted by fusion drift), fusion_aware_early "
-                  "(the same without drift), query_guided (the paper's FusionRAG), "
-                  "two_stage (re-probes after recomputing half the budget), two_stage_adaptive (ratio from the "
-                  "re-probe), kv_deviation (CacheBlend), first_k (EPIC), random, none, all")
 
 
 @dataclass(frozen=True)
@@ -219,7 +216,7 @@ def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
     group.add_argument("--redis-url", default=default(None), metavar="URL",
                        help="Redis KV store, e.g. redis://127.0.0.1:6379/0 (default: disk store under --db)")
     group.add_argument("--selector", default=default(None),
-                       help=f"which chunk tokens to recompute: {SELECTOR_NAMES} (default: drift_aware)")
+                       help=f"which chunk tokens to recompute: {selector_help()} (default: {DEFAULT_SELECTOR})")
     group.add_argument("--ratio", type=float, default=default(None),
                        help="fraction of reused chunk tokens to recompute (default: 0.15)")
     group.add_argument("-k", type=positive_int, default=default(4),
@@ -267,12 +264,12 @@ def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentP
         help="add .txt/.md files or folders (and .pdf with pypdf) to the index",
         description="Chunk documents, precompute each chunk's independent and fused KV caches, and add the chunks "
                     "to Chroma. A file ingested again replaces its previous version; unchanged chunks are skipped.",
-        epilog="examples:\n  fusionrag ingest docs/\n  fusionrag --db /data/rag ingest a.md b.txt --neighbors 5",
+        epilog="examples:\n  fusionrag ingest docs/\n  fusionrag --db /data/rag ingest a.md b.txt --neighbours 5",
     )
     ingest.add_argument("paths", nargs="+", metavar="PATH", help="files or folders (searched recursively)")
     ingest.add_argument("--chunk-tokens", type=positive_int, help="most model tokens per chunk (new index: 256)")
     ingest.add_argument("--chunk-overlap", type=int, help="tokens shared by consecutive chunks (new index: 0)")
-    ingest.add_argument("--neighbors", type=int,
+    ingest.add_argument("--neighbours", type=int,
                         help="similar chunks each fused cache is prefilled after (new index: 10)")
     ingest.add_argument("--no-fuse", action="store_true", help="independent caches only (the CacheBlend/EPIC setting)")
     ingest.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -338,7 +335,7 @@ def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentP
                "  fusionrag bench --data ../shared/datasets/musique_dev.jsonl --limit 20 --max-passage-tokens 200\n"
                "  fusionrag bench --data rows.jsonl --methods full_attention full_reuse fusionrag --ratios 0.15\n"
                "  fusionrag bench --data rows.jsonl --limit 20 --corpus shared --context retrieved -k 8\n"
-               "  fusionrag --model gemma3-270m bench --data rows.jsonl --neighbors 5 --neighbour-order similar_first",
+               "  fusionrag --model gemma3-270m bench --data rows.jsonl --neighbours 5",
     )
     bench.add_argument("--data", required=True, metavar="FILE.jsonl",
                        help='rows of {"question", "answers", "passages": [{"title", "text"}]}')
@@ -349,7 +346,7 @@ def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentP
                        help=f"recompute ratios, comma-separated (default: {','.join(map(str, DEFAULT_RATIOS))})")
     bench.add_argument("--limit", type=positive_int, help="first N rows (default: all)")
     bench.add_argument("--skip", type=int, default=0, metavar="N",
-                       help="skip the first N rows, e.g. --skip 20 --limit 10 runs rows 20-29 (default: 0)")
+                       help="skip the first N rows, e.g. --skip 10 --limit 5 runs rows 10-14 (default: 0)")
     bench.add_argument("--corpus", choices=("row", "shared"), default="row",
                        help="row: each row's passages are a corpus of their own (neighbours = the prompt's "
                             "passages); shared: every selected row's passages in one corpus, neighbours found "
@@ -357,10 +354,8 @@ def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentP
     bench.add_argument("--context", choices=("gold", "retrieved"), default="gold",
                        help="gold: each question over its own passages; retrieved: over the top -k chunks "
                             "retrieved from the shared corpus (needs --corpus shared; -k default 4) (default: gold)")
-    bench.add_argument("--neighbors", type=int, default=10,
+    bench.add_argument("--neighbours", type=int, default=10,
                        help="n of fused ingest, capped at passages-1 (default: 10)")
-    bench.add_argument("--neighbour-order", choices=("similar_last", "similar_first"), default="similar_last",
-                       help="where the most similar neighbour goes in a fused prefill (default: similar_last)")
     bench.add_argument("--max-passage-tokens", type=positive_int, metavar="N",
                        help="cut each passage to its first N model tokens (default: whole passages)")
     bench.add_argument("--max-new-tokens", type=positive_int, default=32, help="answer length limit (default: 32)")
@@ -485,7 +480,7 @@ def _ingest_config(args: argparse.Namespace) -> IngestConfig | None:
     given: dict[str, Any] = {
         name: value
         for name, value in (("chunk_tokens", args.chunk_tokens), ("chunk_overlap", args.chunk_overlap),
-                            ("neighbors", args.neighbors), ("fuse", False if args.no_fuse else None))
+                            ("neighbours", args.neighbours), ("fuse", False if args.no_fuse else None))
         if value is not None
     }
     if not given:
@@ -611,7 +606,7 @@ def cmd_verify(args: argparse.Namespace, engine: Callable[[], FusionEngine], arg
               "Nothing was repaired.")
         return 1
     if report.drift_added:
-        print(f"upgraded: {report.drift_added} fused cache(s) given their fusion drift (read by the drift_* selectors)")
+        print(f"upgraded: {report.drift_added} fused cache(s) given their fusion drift (read by drift_aware)")
     elif report.without_drift:
         print(f"{report.without_drift} fused cache(s) carry no fusion drift (written by an earlier version); "
               f"`{PROG} verify --repair` adds it from the stored caches, no prefill")
@@ -642,8 +637,7 @@ def cmd_bench(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv
         ratios=args.ratios,
         limit=args.limit,
         skip=args.skip,
-        neighbors=args.neighbors,
-        neighbour_order=args.neighbour_order,
+        neighbours=args.neighbours,
         max_passage_tokens=args.max_passage_tokens,
         max_new_tokens=args.max_new_tokens,
         storage_dtype=args.storage_dtype,

@@ -35,6 +35,7 @@ from fusionrag_core.query.prompt import DEFAULT_INSTRUCTION, FusionPrompt, Promp
 from fusionrag_core.query.recompute import recompute
 from fusionrag_core.query.sampling import Sampler, SamplingConfig, TextAssembler
 from fusionrag_core.query.select import SelectConfig, get_selector
+from fusionrag_core.query.selectors import DEFAULT_SELECTOR
 from fusionrag_core.query.stitch import CacheLookup, CacheMiss, Stitched, prefetch, stitch
 from fusionrag_core.recognise.content_index import Match
 from fusionrag_core.runtime import loading as model_lib
@@ -56,24 +57,17 @@ class EngineConfig:
     """Defaults of every query; each can be overridden per call.
 
     Attributes:
-        selector: "drift_aware" (the default: FusionRAG's query-guided selection with the probe
-            stopped at 3/4 depth, or the deepest full-attention layer below it, no budget spent on
-            tokens whose cache is already exact, and the question's attention, half of it its last
-            token's, weighted by each token's fusion drift: see `fusionrag_core.query.drift`),
-            "fusion_aware_early" (the same without the drift and the last token's share),
-            "query_guided" (the paper's: last-layer probe), "kv_deviation" (CacheBlend), "first_k"
-            (EPIC), "random", "none" (full reuse), "all" (full recompute), or another name in
-            `select.SELECTORS`. (Held-out MuSiQue dev rows 0-9, shared corpus, 15%: first-token KL
-            0.046 (paper) -> 0.025 (fusion_aware_early) -> 0.018 (drift) -> 0.0165 (the last
-            token's share) on SmolLM2-135M, 0.048 -> 0.035 -> 0.032 -> 0.030 on gemma3-270m; each
-            chosen on rows 20-29, where it also won on both.)
+        selector: which chunk tokens to recompute: a name in `fusionrag_core.query.select.SELECTORS`
+            (each selector's docstring says what it picks). The default, "drift_aware", is
+            FusionRAG's query-guided selection with a 3/4-depth probe, no budget spent on tokens
+            whose cache is already exact, and the question's attention weighted by each token's
+            fusion drift (`fusionrag_core.query.drift`).
         select: ratio and selector knobs.
         cache_variant: which stored cache to prefer: "fused" (FusionRAG) or "independent".
         exact_first_chunk: with "fused", a chunk right after the system prefix that caches are
             computed after (the configured instruction's) reuses its independent cache when
             stored: there it is exactly what full attention computes, while its fused cache
-            attended to neighbours that full attention does not see. (SmolLM2, 20 MuSiQue rows:
-            first-token KL at 15% recompute 0.061 -> 0.033.)
+            attended to neighbours that full attention does not see.
         instruction: system instruction of the canonical layout.
         prefix_cache_size: how many distinct prefixes to keep computed in memory.
         load_workers: threads that load a request's chunk caches from the store concurrently.
@@ -81,18 +75,20 @@ class EngineConfig:
             attention once their answer has streamed, off the critical path; the first-token KL
             and agreement land in `Generation.audit`, `stats()`, `FusionEngine.audit_summary()`
             and the `fusionrag_core.query.audit` log (see `fusionrag_core.query.audit`).
-        compile_decode: `torch.compile` each layer's MLP for one-token passes (the decode step;
-            CUDA graphs on a GPU). Off by default: on CPU it does not pay (SmolLM2 at 4K context,
-            one thread: 86.5 ms eager vs 102.4 ms compiled per step; the eager step is 91% weight
-            and K/V reads). The first step of each engine pays the compilation (~20 s).
+        compile_decode: `torch.compile` each layer's MLP for one-token passes (the decode step).
+            Meant for GPUs: a one-token pass is bound by kernel launches there, and compiling
+            with CUDA graphs ("reduce-overhead") replays a step's kernels without the launch
+            overhead, as gpt-fast does. Off by default: on CPU a step is bound by reading the
+            weights and K/V, and compiling does not pay. The first step of each engine pays the
+            compilation.
         packed_linears: on CPU, run the decoder's fp32 projections of multi-token passes (probe,
-            recompute, prefills) through oneDNN with weights packed once (`fusionrag_core.runtime.linear`):
-            SmolLM2 at ~860-token prompts, one thread, 15%: probe ~1.3x, recompute ~1.15x faster.
-            Costs a second copy of the layers' projection weights (SmolLM2-135M: +0.43 GB); off
-            keeps torch's `F.linear` (MKL). No effect on GPUs or non-fp32 weights.
+            recompute, prefills) through oneDNN with weights packed once
+            (`fusionrag_core.runtime.linear`), faster than torch's `F.linear` (MKL) on such
+            few-row products. Costs a second copy of the layers' projection weights; off keeps
+            `F.linear`. No effect on GPUs or non-fp32 weights.
     """
 
-    selector: str = "drift_aware"
+    selector: str = DEFAULT_SELECTOR
     select: SelectConfig = field(default_factory=SelectConfig)
     cache_variant: Variant = "fused"
     exact_first_chunk: bool = True
@@ -133,8 +129,8 @@ class Generation:
         cache_variants: reused chunks per cache variant; a missing fused cache falls back to the
             independent one, and this is where that shows.
         chunks_without_drift: reused chunks whose cache carries no fusion drift (independent
-            caches, learned ones, blobs written before drift was stored); the `drift_*` selectors
-            score their tokens with the prompt's mean drift.
+            caches, learned ones, blobs written before drift was stored); `drift_aware`
+            scores their tokens with the prompt's mean drift.
         kv_tiers: this request's chunk loads from a store, per tier: `{device,host,store}_hits`
             and `_bytes` (the device and host tiers are a `TieredKVStore`'s; "store" is the backend).
         audit: the request's quality audit against full attention (see EngineConfig.audit_rate),

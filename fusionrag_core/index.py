@@ -60,6 +60,8 @@ class FusionIndex:
         embedding_function: the collection's embedding function (default: the offline MiniLM).
         writer_wait_s: how long a write (add_texts, delete, verify) waits for another writer of the
             corpus before failing with CorpusLockedError (one writer per corpus, see `lock`).
+        data_dir: the data directory the index was opened from (`open`), where integrations keep
+            the caches they learn; None when the collection and store were given directly.
 
     Raises:
         CacheMismatchError: the collection was built by another model.
@@ -76,10 +78,14 @@ class FusionIndex:
         *,
         embedding_function: chroma.EmbeddingFn | None = None,
         writer_wait_s: float = 0.0,
+        data_dir: str | Path | None = None,
     ) -> None:
         self.engine = engine
         self.collection = collection
         self.store = store
+        # NOTE: where this index keeps local data (`open`'s data_dir); None for an index built from
+        # a collection and a store directly. Integrations learn caches under it.
+        self.data_dir = Path(data_dir).expanduser() if data_dir is not None else None
         self.writer_wait_s = writer_wait_s
         ef = embedding_function if embedding_function is not None else chroma.default_embedding_function()
         self.config = _bind(collection, engine, config, ef)
@@ -128,7 +134,8 @@ class FusionIndex:
                              where=chroma_url or str(Path(data_dir).expanduser()))
         if tiers is not None:
             store = tiers.wrap(store, device=engine.device, dtype=engine.decoder.dtype)
-        return cls(engine, collection, store, config, embedding_function=ef, writer_wait_s=writer_wait_s)
+        return cls(engine, collection, store, config, embedding_function=ef, writer_wait_s=writer_wait_s,
+                   data_dir=data_dir)
 
     # ---- writing ------------------------------------------------------------------------------------
     def add_texts(
@@ -338,7 +345,7 @@ def _bind(
         )
     recorded = json.loads(str(metadata.get(INGEST_KEY, "{}")))
     if config is None:
-        return IngestConfig(**recorded)
+        return IngestConfig.from_identity(recorded)
     if config.identity() != recorded:
         raise InvalidRequestError(
             f"{where} was built with ingest settings {recorded}, but config={config.identity()}; pass "

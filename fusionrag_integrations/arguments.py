@@ -7,8 +7,9 @@ accept the Hugging Face ecosystem's names where they mean the same thing as a fi
 or a known one this engine cannot honour, is an error that names the closest valid argument.
 Nothing is dropped silently.
 
-Targets are spelled as the LangChain fields (`max_tokens`); an integration whose field is named
-otherwise passes `rename` (LlamaIndex: `{"max_tokens": "max_new_tokens"}`).
+Targets are spelled as the per-request options (`request.OPTION_NAMES`: `max_new_tokens`) and
+the loading fields (`model`, `device`, `dtype`); a model whose field is named otherwise passes
+`rename` (LangChain: `{"max_new_tokens": "max_tokens"}`), and then also accepts the option's name.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_integrations.request import SAMPLING_OPTIONS
 
 __all__ = ["closest", "device_name", "normalize_arguments", "refuse_unknown"]
 
@@ -27,24 +29,14 @@ __all__ = ["closest", "device_name", "normalize_arguments", "refuse_unknown"]
 FIELD_ALIASES = {
     "model_id": "model",
     "model_name": "model",
-    "max_new_tokens": "max_tokens",
     "device_map": "device",
     "torch_dtype": "dtype",
 }
 # model_kwargs (from_pretrained's arguments) this engine honours, and the field each sets.
 MODEL_KWARGS = {"torch_dtype": "dtype", "dtype": "dtype", "device_map": "device"}
-# pipeline_kwargs / generate_kwargs (generate's arguments) this engine honours, and their field.
-GENERATE_KWARGS = {
-    "max_new_tokens": "max_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "seed": "seed",
-    "stop_strings": "stop",
-    "stop": "stop",
-}
+# pipeline_kwargs / generate_kwargs (generate's arguments) this engine honours, and their option:
+# every sampling option under its own name, and transformers' name for stop strings.
+GENERATE_KWARGS = {**{name: name for name in SAMPLING_OPTIONS}, "stop_strings": "stop"}
 GENERATE_FLAGS = frozenset({"do_sample", "return_full_text"})
 
 
@@ -79,7 +71,7 @@ def normalize_arguments(data: Mapping[str, Any], fields: Iterable[str], owner: s
         data: the keyword arguments as given.
         fields: the model's field names (what stays as is).
         owner: class name, for messages.
-        rename: target field -> the model's name for it (e.g. `{"max_tokens": "max_new_tokens"}`).
+        rename: option name -> the model's field for it (e.g. `{"max_new_tokens": "max_tokens"}`).
 
     Raises:
         InvalidRequestError: an unknown argument, a value the engine cannot honour, or an alias
@@ -87,7 +79,8 @@ def normalize_arguments(data: Mapping[str, Any], fields: Iterable[str], owner: s
     """
     valid = set(fields)
     names = dict(rename or {})
-    aliases = {alias: names.get(field, field) for alias, field in FIELD_ALIASES.items() if alias not in valid}
+    aliases = {alias: field for alias, field in FIELD_ALIASES.items() if alias not in valid}
+    aliases.update({option: option for option in names if option not in valid})
     out: dict[str, Any] = {}
     sources: dict[str, str] = {}
 

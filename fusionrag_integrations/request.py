@@ -1,19 +1,21 @@
-"""The request layer both integrations share: call options -> one engine request -> text pieces.
+"""The per-request options both integrations share: declared once, validated once per request.
 
-A LangChain or LlamaIndex call arrives as framework options (each framework names them its own
-way) and a prompt; it leaves as text pieces and JSON-friendly statistics. What is the same for
-both lives here, once:
+A LangChain or LlamaIndex call arrives as framework options (model fields plus per-call keyword
+arguments, `fields.OptionFields`); they become one `RequestOptions`, the only place a request's
+values are checked, and the finished `Generation` leaves as `generation_stats`:
 
-    options (SamplingConfig fields + selector / ratio / variant)  -> `request_options` (validated)
-    -> `RequestOptions.stream(engine, prompt, store=...)`        (the store travels with the request)
-    -> `text_pieces(stream)`: cleaned text pieces, then the finished Generation
-    -> `generation_stats(generation)`: what responses report.
+    model fields + call overrides -> `RequestOptions.from_values` (validated here, once)
+    -> `ReuseSession.run` (session.py)  -> text pieces, then `generation_stats(generation)`
+
+The option names, `OPTION_NAMES`, derive from the core's `SamplingConfig` fields and
+`RequestOptions`' own; framework field lists, per-call keyword lists and HF-name folding derive
+from them, never from a list of their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream, LearnFn
@@ -21,87 +23,87 @@ from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.query.select import SelectConfig, get_selector
-from fusionrag_core.recognise.marks import clean_output
-from fusionrag_core.runtime.kv import Variant
+from fusionrag_core.runtime.kv import VARIANTS, Variant
 from fusionrag_core.store import KVStore
+from fusionrag_integrations.response_format import response_grammar
 
-SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingConfig))
-"""Request values that become the `SamplingConfig` (max_new_tokens, temperature, stop, ...)."""
-SELECTION_FIELDS = frozenset({"selector", "ratio", "variant"})
-"""Request values that choose what is reused and recomputed (None: the engine's default)."""
+RESPONSE_FORMAT = "response_format"
+"""Per-call only: an OpenAI-shaped `response_format` that becomes the sampling grammar."""
 
 
 @dataclass(frozen=True)
 class RequestOptions:
     """Everything one request passes to the engine besides its prompt.
 
+    Constructing one validates it (`__post_init__`; `SamplingConfig` checks its own fields), with
+    the core's own messages; a framework model builds exactly one per request.
+
     Attributes:
-        sampling: max_new_tokens, temperature, top_p, seed, stop strings, ...
-        selector: which chunk tokens to recompute; None means the engine's configured default.
-        ratio: recompute ratio; None means the engine's configured default.
-        variant: preferred stored cache variant; None means the engine's configured default.
-        full_attention: run the plain-prefill baseline instead (no cache is reused).
+        sampling: max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed,
+            stop strings, grammar (`fusionrag_core.query.sampling.SamplingConfig`).
+        selector: which chunk tokens to recompute, a name in
+            `fusionrag_core.query.select.SELECTORS`; None: the engine's configured default.
+        ratio: fraction of reused chunk tokens to recompute, in [0, 1]; None: the engine's default.
+        variant: stored cache variant to prefer (`fusionrag_core.runtime.kv.VARIANTS`); None: the
+            engine's default.
+        full_attention: answer with a plain prefill of the whole prompt, reusing no cache (the
+            baseline to compare with).
+
+    Raises:
+        InvalidRequestError: a value the engine would refuse.
     """
 
-    sampling: SamplingConfig
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     selector: str | None = None
     ratio: float | None = None
     variant: Variant | None = None
     full_attention: bool = False
 
-    def stream(self, engine: FusionEngine, prompt: FusionPrompt, *, store: KVStore | None = None,
-               learn: LearnFn | None = None) -> GenerationStream:
-        """Start generating `prompt` on `engine` with these options, reading caches from `store`."""
+    def __post_init__(self) -> None:
+        if self.selector is not None:
+            get_selector(self.selector)  # NOTE: the core's check against SELECTORS, and its message
+        if self.ratio is not None:
+            SelectConfig(ratio=self.ratio)  # NOTE: the core's range check, and its message
+        if self.variant is not None and self.variant not in VARIANTS:
+            raise InvalidRequestError(f"unknown cache variant {self.variant!r}; use one of {list(VARIANTS)}")
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any], *, response_format: Any = None) -> RequestOptions:
+        """Options from flat `values` keyed by `OPTION_NAMES` (absent ones take their defaults).
+
+        Args:
+            values: option name -> value; `stop` may be any sequence of strings, or None.
+            response_format: None, or an OpenAI-shaped value constraining the answer
+                (`response_format.response_grammar`).
+
+        Raises:
+            InvalidRequestError: a key that is no option, or a value the engine would refuse.
+        """
+        unknown = set(values) - set(OPTION_NAMES)
+        if unknown:
+            raise InvalidRequestError(f"unknown request option(s) {sorted(unknown)}; options are {list(OPTION_NAMES)}")
+        sampling = {k: v for k, v in values.items() if k in SAMPLING_OPTIONS}
+        sampling["stop"] = tuple(sampling.get("stop") or ())
+        if response_format is not None:
+            sampling["grammar"] = response_grammar(response_format)
+        selection = {k: v for k, v in values.items() if k in SELECTION_OPTIONS}
+        return cls(SamplingConfig(**sampling), **selection)
+
+    def stream(self, engine: FusionEngine, prompt: FusionPrompt, *, store: KVStore | None,
+               learn: LearnFn | None) -> GenerationStream:
+        """Start generating `prompt` on `engine`, reading caches from `store` (full attention reads none)."""
         if self.full_attention:
             return engine.full_attention(prompt, sampling=self.sampling)
         return engine.stream(prompt, sampling=self.sampling, selector=self.selector, ratio=self.ratio,
                              variant=self.variant, store=store, learn=learn)
 
 
-def request_options(values: Mapping[str, Any], *, full_attention: bool = False) -> RequestOptions:
-    """Validated options from `values`: `SamplingConfig` field names plus selector, ratio, variant.
-
-    Raises:
-        InvalidRequestError: a key of neither kind, or a value the engine would refuse (with the
-            core's own message).
-    """
-    unknown = set(values) - SAMPLING_FIELDS - SELECTION_FIELDS
-    if unknown:
-        raise InvalidRequestError(f"unknown request option(s) {sorted(unknown)}")
-    sampling = {k: v for k, v in values.items() if k in SAMPLING_FIELDS}
-    if sampling.get("stop") is not None:
-        sampling["stop"] = tuple(sampling["stop"])
-    selector, ratio, variant = (values.get(k) for k in ("selector", "ratio", "variant"))
-    if selector is not None:
-        get_selector(selector)
-    if ratio is not None:
-        SelectConfig(ratio=ratio)
-    if variant not in (None, "fused", "independent"):
-        raise InvalidRequestError(f"unknown cache variant {variant!r}; use 'fused' or 'independent'")
-    return RequestOptions(SamplingConfig(**sampling), selector, ratio, variant, full_attention)
-
-
-def check_call_options(overrides: Mapping[str, Any], accepted: frozenset[str], *, owner: str, hint: str = "") -> None:
-    """Refuse per-call keyword arguments a model does not take, naming the ones it does.
-
-    Raises:
-        InvalidRequestError: an unknown keyword.
-    """
-    unknown = sorted(set(overrides) - accepted)
-    if unknown:
-        raise InvalidRequestError(
-            f"{owner} does not accept {', '.join(unknown)}; per-call options are {sorted(accepted)}{hint}"
-        )
-
-
-def text_pieces(stream: GenerationStream) -> Iterator[str | Generation]:
-    """Non-empty text pieces (mark characters removed) as generated, then the finished Generation."""
-    for piece in stream:
-        text = clean_output(piece)
-        if text:
-            yield text
-    assert stream.result is not None  # NOTE: set by GenerationStream once exhausted.
-    yield stream.result
+SAMPLING_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(SamplingConfig) if f.name != "grammar")
+"""Options that become the `SamplingConfig` (its grammar comes from `response_format` instead)."""
+SELECTION_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(RequestOptions) if f.name != "sampling")
+"""Options that choose what is reused and recomputed: selector, ratio, variant, full_attention."""
+OPTION_NAMES: tuple[str, ...] = SAMPLING_OPTIONS + SELECTION_OPTIONS
+"""Every per-request option by name: the fields and per-call keyword arguments of both integrations."""
 
 
 def generation_stats(generation: Generation) -> dict[str, Any]:
@@ -116,11 +118,10 @@ def generation_stats(generation: Generation) -> dict[str, Any]:
 
 
 __all__ = [
-    "SAMPLING_FIELDS",
-    "SELECTION_FIELDS",
+    "OPTION_NAMES",
+    "RESPONSE_FORMAT",
+    "SAMPLING_OPTIONS",
+    "SELECTION_OPTIONS",
     "RequestOptions",
-    "check_call_options",
     "generation_stats",
-    "request_options",
-    "text_pieces",
 ]

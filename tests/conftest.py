@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,14 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTraine
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.runtime import compat
 from tests.ingest_worker import tokenizer_dir
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, the workers share the cores: each gets its share of torch threads
+    (two workers with two threads each on two cores only add OpenMP contention)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -39,8 +41,15 @@ def tokenizer_dir(cache_root: Path) -> Path:
     key = f"{gguf.name}-{gguf.stat().st_size if gguf.is_file() else 0}-{transformers.__version__}"
     target = cache_root / key
     if not (target / "tokenizer_config.json").is_file():
+        # NOTE: saved beside the target, then renamed: test processes running at once (pytest-xdist
+        # workers, ingest workers) see the whole copy or none of it.
         tokenizer = AutoTokenizer.from_pretrained(source.path_or_id, gguf_file=source.gguf_file)
-        tokenizer.save_pretrained(str(target))
+        staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache_root))
+        tokenizer.save_pretrained(str(staging))
+        try:
+            staging.rename(target)
+        except OSError:  # another process published it first
+            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

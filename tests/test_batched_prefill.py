@@ -48,7 +48,7 @@ def test_packed_prefill_equals_one_at_a_time(engine: FusionEngine) -> None:
 @pytest.mark.parametrize(("batch", "tokens", "passes"), [(1, 10**6, 6), (4, 10**6, 2), (8, 10**6, 1), (8, 1, 6)])
 def test_builder_packs_by_chunks_and_tokens(engine: FusionEngine, tmp_path, batch: int, tokens: int,  # type: ignore[no-untyped-def]
                                             passes: int) -> None:
-    config = IngestConfig(chunk_tokens=40, neighbors=2, prefill_batch=batch, prefill_tokens=tokens)
+    config = IngestConfig(chunk_tokens=40, neighbours=2, prefill_batch=batch, prefill_tokens=tokens)
     builder = CacheBuilder(engine, DiskKVStore(tmp_path), config)
     calls: list[int] = []
     original = engine.chunk_caches

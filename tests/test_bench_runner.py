@@ -48,7 +48,7 @@ def engine(tokenizer: PreTrainedTokenizerBase) -> FusionEngine:
 @pytest.fixture(scope="module")
 def run(engine: FusionEngine, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     """One small benchmark (2 rows, 40-token passages, every method) and its written report."""
-    config = BenchConfig(data=DATA, limit=2, ratios=RATIOS, max_passage_tokens=40, max_new_tokens=4, neighbors=10)
+    config = BenchConfig(data=DATA, limit=2, ratios=RATIOS, max_passage_tokens=40, max_new_tokens=4, neighbours=10)
     results = run_benchmark(config, engine, progress=False, command=["fusionrag", "bench", "--limit", "2"])
     out = tmp_path_factory.mktemp("bench")
     write_report(results, out)
@@ -133,7 +133,7 @@ def test_a_row_too_long_for_the_model_is_refused_before_ingest(engine: FusionEng
         ({"ratios": ()}, "no recompute ratio"),
         ({"limit": 0}, "limit"),
         ({"skip": -1}, "skip"),
-        ({"neighbour_order": "random"}, "neighbour_order"),
+        ({"neighbours": -1}, "neighbours must be"),
         ({"max_passage_tokens": 0}, "max_passage_tokens"),
         ({"corpus": "everything"}, "corpus mode"),
         ({"context": "retrieved"}, "corpus='shared'"),
@@ -157,7 +157,7 @@ def test_full_attention_always_runs_first() -> None:
 
 # ---- corpus modes -------------------------------------------------------------------------------
 SHARED = {"limit": 2, "methods": ("full_attention", "full_reuse", "fusionrag"), "ratios": (0.15,),
-          "max_passage_tokens": 40, "max_new_tokens": 2, "neighbors": 10, "warmup": False}
+          "max_passage_tokens": 40, "max_new_tokens": 2, "neighbours": 10, "warmup": False}
 
 
 def test_a_row_corpus_fuses_each_chunk_after_its_own_prompts_passages(run: tuple[dict[str, Any], Path]) -> None:
@@ -218,3 +218,9 @@ def test_default_methods_include_the_engines_default_selection() -> None:
 
     engine_default = [m for m in DEFAULT_METHODS if METHODS[m].selector == EngineConfig().selector]
     assert [METHODS[m].variant for m in engine_default] == ["fused"], engine_default
+
+
+def test_every_methods_selector_is_a_registered_selector() -> None:
+    from fusionrag_core.query.select import SELECTORS
+
+    assert {m.selector for m in METHODS.values() if m.selector is not None} <= set(SELECTORS)

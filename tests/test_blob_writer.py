@@ -24,7 +24,7 @@ from tests.ingest_worker import tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CONFIG = IngestConfig(chunk_tokens=40, neighbors=2, batch_size=4, prefill_batch=2)
+CONFIG = IngestConfig(chunk_tokens=40, neighbours=2, batch_size=4, prefill_batch=2)
 
 
 def _kv(i: int) -> ChunkKV:

@@ -42,7 +42,7 @@ if importlib.util.find_spec("ray") is None:
 pytestmark = [pytest.mark.servers, pytest.mark.usefixtures("one_thread")]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIG = IngestConfig(chunk_tokens=40, neighbors=2, batch_size=4, prefill_batch=3)
+CONFIG = IngestConfig(chunk_tokens=40, neighbours=2, batch_size=4, prefill_batch=3)
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +264,7 @@ def test_cli_ingest_on_a_local_ray_cluster(engine: FusionEngine, docs: list[str]
     for i, text in enumerate(docs[:2]):
         (corpus / f"doc{i}.md").write_text(text)
     db = ["--db", str(tmp_path / "db")]
-    argv = [*db, "ingest", str(corpus), "--chunk-tokens", "40", "--neighbors", "2", "--quiet",
+    argv = [*db, "ingest", str(corpus), "--chunk-tokens", "40", "--neighbours", "2", "--quiet",
             "--ray", "local", "--workers", "2"]
     assert main(argv, engine_factory=functools.partial(_cli_engine, tok_path)) == 0
     assert "new chunk(s)" in capsys.readouterr().out

@@ -1,5 +1,5 @@
 """Fusion drift: computed at ingest from the two caches of a chunk, stored in its fused blob
-(validated like the rest), carried through stitching, and weighed into the `drift_*` selectors.
+(validated like the rest), carried through stitching, and weighed into the `drift_aware` selector.
 Tiny random Llama and Gemma 3 models, SmolLM2 tokenizer."""
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def test_an_unknown_newer_version_is_a_mismatch_not_corruption(engine: FusionEng
 # ---- ingest ---------------------------------------------------------------------------------------------
 
 def test_ingest_stores_each_fused_cache_with_its_drift(engine: FusionEngine, tmp_path: Path) -> None:
-    index = FusionIndex.open(engine, tmp_path / "index", config=IngestConfig(chunk_tokens=64, neighbors=2),
+    index = FusionIndex.open(engine, tmp_path / "index", config=IngestConfig(chunk_tokens=64, neighbours=2),
                              storage_dtype="float32")
     ids = [cid for (cid,) in index.add_texts(CHUNKS).chunk_ids]
     get = lambda cid, v: index.store.get(cid, v, fingerprint=engine.fingerprint)  # noqa: E731
@@ -168,7 +168,7 @@ def test_ingest_stores_each_fused_cache_with_its_drift(engine: FusionEngine, tmp
 
 
 def test_a_chunk_alone_in_its_corpus_has_no_drift(engine: FusionEngine, tmp_path: Path) -> None:
-    index = FusionIndex.open(engine, tmp_path / "index", config=IngestConfig(chunk_tokens=64, neighbors=2))
+    index = FusionIndex.open(engine, tmp_path / "index", config=IngestConfig(chunk_tokens=64, neighbours=2))
     ((cid,),) = index.add_texts(CHUNKS[:1]).chunk_ids
     assert index.store.get(cid, "fused", fingerprint=engine.fingerprint).drift is None
 
@@ -219,28 +219,15 @@ def test_a_chunk_that_did_not_drift_is_never_recomputed(engine: FusionEngine) ->
     assert not bool(torch.isin(picked, st.chunk_slots[1]).any())
 
 
-def test_without_any_drift_or_last_token_share_drift_aware_is_fusion_aware_early(engine: FusionEngine) -> None:
+def test_without_any_drift_or_last_token_share_drift_aware_ranks_by_attention_alone(engine: FusionEngine) -> None:
     caches = {cid: replace(kv, drift=None) for cid, kv in _caches(engine).items()}
     config = SelectConfig(ratio=0.25, last_token_share=None)
-    picks = []
-    for name in ("drift_aware", "fusion_aware_early"):
-        st = _stitched(engine, caches)
-        picks.append(get_selector(name)(st, config.budget(st.num_reused_tokens), config))
-    assert torch.equal(picks[0], picks[1])
-
-
-def test_drift_adaptive_stays_between_floor_and_ceiling(engine: FusionEngine) -> None:
-    caches = _caches(engine)
-    counts = {}
-    for mass in (1e-6, 0.5, 1.0):
-        config = SelectConfig(ratio=0.3, adaptive_floor=0.05, drift_mass=mass)
-        st = _stitched(engine, caches)
-        budget = config.budget(st.num_reused_tokens)
-        counts[mass] = int(get_selector("drift_adaptive")(st, budget, config).numel())
-        assert -(-0.05 * st.num_reused_tokens // 1) <= counts[mass] <= budget
-    assert counts[1e-6] < counts[0.5] <= counts[1.0] == SelectConfig(ratio=0.3).budget(st.num_reused_tokens)
-    with pytest.raises(InvalidRequestError, match="drift_mass"):
-        SelectConfig(drift_mass=0.0)
+    st = _stitched(engine, caches)
+    picked = get_selector("drift_aware")(st, config.budget(st.num_reused_tokens), config)
+    st = _stitched(engine, caches)
+    slots, attention = _inexact(st, st.reusable_slots, question_attention(st, (0.75,)))
+    expected = torch.sort(slots[torch.sort(-attention, stable=True).indices[: config.budget(st.num_reused_tokens)]])
+    assert torch.equal(picked, expected.values)
 
 
 def test_question_weights_give_the_last_token_its_share() -> None:
@@ -258,7 +245,9 @@ def test_a_last_token_share_of_one_reads_only_the_last_token(engine: FusionEngin
     st = _stitched(engine, _caches(engine))
     got = question_attention(st, (0.75,), last_share=1.0)
     layer = probe_layers(engine.decoder.windows, (0.75,))[0]
-    mass = engine.decoder.probe(st.buf, st.question_ids, st.question_slots, layers=(layer,), readers=1)[layer]
+    last = torch.zeros(st.question_ids.numel())
+    last[-1] = 1.0  # the last token's queries alone
+    mass = engine.decoder.probe(st.buf, st.question_ids, st.question_slots, layers=(layer,), weights=last)[layer]
     want = mass[st.reusable_slots] / mass[st.reusable_slots].sum()
     torch.testing.assert_close(got, want)
     assert not torch.allclose(got, question_attention(st, (0.75,)), atol=1e-4)
@@ -291,7 +280,7 @@ def test_drift_survives_the_tiered_store_and_pinning(engine: FusionEngine, tmp_p
 
 
 def test_verify_gives_old_fused_caches_their_drift_without_a_prefill(engine: FusionEngine, tmp_path: Path) -> None:
-    index = FusionIndex.open(engine, tmp_path / "index", config=IngestConfig(chunk_tokens=64, neighbors=2),
+    index = FusionIndex.open(engine, tmp_path / "index", config=IngestConfig(chunk_tokens=64, neighbours=2),
                              storage_dtype="float32")
     ids = [cid for (cid,) in index.add_texts(CHUNKS).chunk_ids]
     get = lambda cid, v: index.store.get(cid, v, fingerprint=engine.fingerprint)  # noqa: E731
@@ -314,7 +303,7 @@ def test_verify_gives_old_fused_caches_their_drift_without_a_prefill(engine: Fus
 
 def test_a_query_over_an_ingested_corpus_has_drift_for_every_inexact_chunk(engine: FusionEngine,
                                                                             tmp_path: Path) -> None:
-    index = FusionIndex.open(engine, tmp_path / "index", config=IngestConfig(chunk_tokens=64, neighbors=2))
+    index = FusionIndex.open(engine, tmp_path / "index", config=IngestConfig(chunk_tokens=64, neighbours=2))
     index.add_texts(CHUNKS)
     gen, _ = index.answer("Where was the designer of the Lumen lighthouse born?", k=3,
                           sampling=SamplingConfig(max_new_tokens=1))

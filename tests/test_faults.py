@@ -38,7 +38,7 @@ from fusionrag_core.store.disk import QUARANTINE_DIR
 from tests.ingest_worker import tiny_engine, tokenizer_dir
 from tests.servers import running_chroma_server, running_redis_server
 
-CONFIG = IngestConfig(chunk_tokens=32, neighbors=2)
+CONFIG = IngestConfig(chunk_tokens=32, neighbours=2)
 CORPUS_A = [
     "The Lumen lighthouse on the northern cape was designed by the engineer Ada Vell in 1871.",
     "Ada Vell was born in the fishing village of Marrow, where her father repaired nets.",
@@ -175,7 +175,7 @@ def test_chroma_outage_mid_command_is_one_line_exit_2(
     with contextlib.ExitStack() as server:
         url = server.enter_context(running_chroma_server())
         common = ["--chroma-url", url, "--db", str(tmp_path / "db")]
-        ingest = [*common, "ingest", "--quiet", "--chunk-tokens", "32", "--neighbors", "2", str(doc)]
+        ingest = [*common, "ingest", "--quiet", "--chunk-tokens", "32", "--neighbours", "2", str(doc)]
         assert cli.main(ingest, engine_factory=lambda _: engine) == 0
         search = FusionIndex.search
 
@@ -244,7 +244,7 @@ def test_verify_after_a_killed_ingest_says_incomplete_and_keeps_the_work(
     engine: FusionEngine, tmp_path: Path, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
 ) -> None:
     texts = [p.read_text(encoding="utf-8") for p in sorted(sample_corpus_dir().glob("*.md"))[:3]]
-    config = {"chunk_tokens": 40, "neighbors": 2, "batch_size": 4}
+    config = {"chunk_tokens": 40, "neighbours": 2, "batch_size": 4}
     (tmp_path / "calls.json").write_text(json.dumps([texts]))
     data_dir = tmp_path / "killed"
     worker = subprocess.run(
@@ -296,7 +296,7 @@ def test_cli_delete_and_ingest_sync(engine: FusionEngine, tmp_path: Path, capsys
     def run(*argv: str) -> int:
         return cli.main([*db, *argv], engine_factory=lambda _: engine)
 
-    assert run("ingest", "--quiet", "--chunk-tokens", "32", "--neighbors", "2", str(folder)) == 0
+    assert run("ingest", "--quiet", "--chunk-tokens", "32", "--neighbours", "2", str(folder)) == 0
     index = FusionIndex.open(engine, tmp_path / "db")
     assert len(index.document_ids()) == 3
     assert run("delete", str(folder / "d0.md")) == 0

@@ -23,7 +23,7 @@ from tests.servers import running_chroma_server, running_redis_server
 LIGHTHOUSE = "The Lumen lighthouse on the northern cape was designed by the engineer Ada Vell in 1871."
 BIRTH = "Ada Vell was born in the fishing village of Marrow, where her father repaired nets."
 SALT = "Marrow salt was sold in markets all along the coast and was famous for its pale pink colour."
-CONFIG = IngestConfig(chunk_tokens=48, neighbors=2)
+CONFIG = IngestConfig(chunk_tokens=48, neighbours=2)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -96,12 +96,24 @@ def test_reopen_refuses_another_model_and_other_settings(
     assert engine.name in str(err.value) and other.name in str(err.value) and "another collection" in str(err.value)
 
     with pytest.raises(InvalidRequestError, match="ingest settings"):
-        FusionIndex.open(engine, tmp_path, config=replace(CONFIG, neighbour_order="similar_first"))
+        FusionIndex.open(engine, tmp_path, config=replace(CONFIG, neighbours=CONFIG.neighbours + 1))
     reopened = FusionIndex.open(engine, tmp_path)
     assert reopened.config.identity() == CONFIG.identity() and len(reopened) == 1
     # the same directory holds other corpora side by side, each with its own store
     fresh = FusionIndex.open(other, tmp_path, collection_name="other-model", config=CONFIG)
     assert len(fresh) == 0 and fresh.store.list_ids() == set()
+
+
+def test_collections_keep_the_settings_format_they_recorded() -> None:
+    # NOTE: identity() is what collections hold as JSON; these are the keys and values they were written with.
+    recorded = {"chunk_tokens": 48, "chunk_overlap": 0, "neighbors": 2, "fuse": True, "neighbour_order": "similar_last"}
+    assert CONFIG.identity() == recorded
+    assert IngestConfig.from_identity(recorded) == CONFIG
+    assert IngestConfig.from_identity({"chunk_tokens": 48, "neighbors": 2}) == CONFIG  # older, shorter records
+    with pytest.raises(InvalidRequestError, match="similar_first"):
+        IngestConfig.from_identity({**recorded, "neighbour_order": "similar_first"})
+    with pytest.raises(InvalidRequestError, match="unknown ingest settings"):
+        IngestConfig.from_identity({**recorded, "stride": 3})
 
 
 def test_wrong_model_blob_is_a_miss_at_query_and_repaired_by_verify(engine: FusionEngine, tmp_path: Path) -> None:

@@ -64,7 +64,7 @@ class Opener:
 
     def __call__(self, storage_dtype: StorageDType = "float16", **config: Any) -> FusionIndex:
         self._made += 1
-        settings = {"chunk_tokens": 40, "neighbors": 2, "batch_size": 4, **config}
+        settings = {"chunk_tokens": 40, "neighbours": 2, "batch_size": 4, **config}
         return FusionIndex.open(self.engine, self.root / f"index{self._made}", config=IngestConfig(**settings),
                                 storage_dtype=storage_dtype)
 
@@ -159,7 +159,7 @@ def test_same_text_twice_is_no_work(
 
 
 def test_fused_cache_reproduces_a_full_prefill(make_index: Opener) -> None:
-    index = make_index(storage_dtype="float32", neighbors=1, chunk_tokens=64)
+    index = make_index(storage_dtype="float32", neighbours=1, chunk_tokens=64)
     a = "The Lumen lighthouse on the northern cape was designed by the engineer Ada Vell in 1871."
     b = "Ada Vell was born in the fishing village of Marrow, where her father repaired nets."
     report = index.add_texts([a, b])
@@ -184,15 +184,13 @@ def test_fused_cache_reproduces_a_full_prefill(make_index: Opener) -> None:
     assert (independent.first_token_logits - full.first_token_logits).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("order", ["similar_last", "similar_first"])
-def test_neighbour_order_decides_the_fused_prefill(make_index: Opener, docs: dict[str, str],
-                                                   order: str) -> None:
-    index = make_index(storage_dtype="float32", neighbors=3, neighbour_order=order)
+def test_the_most_similar_neighbour_is_prefilled_last(make_index: Opener, docs: dict[str, str]) -> None:
+    index = make_index(storage_dtype="float32", neighbours=3)
     index.add_texts([docs["lumen_lighthouse"], docs["ada_vell"]])
     engine, store = index.engine, index.store
     chunk, neighbours = next((c, n) for c, n in _neighbours(index).items() if len(n) == 3)
     nearest_first = [store.get(n, "independent", fingerprint=engine.fingerprint) for n in neighbours]
-    placed = list(reversed(nearest_first)) if order == "similar_last" else nearest_first
+    placed = list(reversed(nearest_first))
     text = index.collection.get(ids=[chunk], include=["documents"])["documents"][0]  # type: ignore[index]
     expected = engine.chunk_cache(text, neighbours=placed)
     stored = store.get(chunk, "fused", fingerprint=engine.fingerprint)
@@ -317,7 +315,7 @@ def _assert_same_corpus(index: FusionIndex, reference: FusionIndex) -> None:
         assert torch.allclose(got.keys, want.keys, atol=1e-2, rtol=1e-2)
 
 
-KILL_CONFIG: dict[str, Any] = {"chunk_tokens": 40, "neighbors": 2, "batch_size": 4}
+KILL_CONFIG: dict[str, Any] = {"chunk_tokens": 40, "neighbours": 2, "batch_size": 4}
 
 
 def test_ingest_killed_mid_fusion_resumes_without_recomputing(

@@ -352,7 +352,7 @@ def test_chain_builds_the_canonical_prompt_from_document_ids(chat: ChatFusionRAG
 @pytest.fixture(scope="module")
 def tiny_index(tiny_engine: FusionEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FusionIndex]:
     index = FusionIndex.open(tiny_engine, tmp_path_factory.mktemp("index"), config=IngestConfig(chunk_tokens=48,
-                                                                                               neighbors=2))
+                                                                                               neighbours=2))
     index.add_texts(TEXTS, [{"topic": f"t{i}"} for i in range(len(TEXTS))], doc_ids=[f"doc{i}" for i in range(5)])
     yield index
 
@@ -405,7 +405,7 @@ def test_vector_store_ingests_documents_and_deletes_by_document_id(
 ) -> None:
     splits = [Document(page_content=t, metadata={"source": f"s{i}.md"}, id=f"doc-{i}") for i, t in enumerate(TEXTS)]
     store = FusionRAGVectorStore.from_documents(splits, engine=tiny_engine, data_dir=tmp_path,
-                                                config=IngestConfig(chunk_tokens=48, neighbors=2))
+                                                config=IngestConfig(chunk_tokens=48, neighbours=2))
     hits = store.similarity_search("Who founded Tessaly Instruments?", k=2)
     assert hits[0].id == "doc-3" and hits[0].metadata == {"source": "s3.md"}
     chunk = FusionRAGRetriever(index=store.index, k=1).invoke("Who founded Tessaly Instruments?")[0]

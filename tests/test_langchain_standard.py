@@ -169,7 +169,7 @@ class TestChatFusionRAGIntegration(FusionRAGChatFeatures, ChatModelIntegrationTe
 @pytest.fixture(scope="module")
 def corpus_index(default_engine: FusionEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FusionIndex]:
     index = FusionIndex.open(default_engine, tmp_path_factory.mktemp("standard-index"),
-                             config=IngestConfig(chunk_tokens=64, neighbors=2))
+                             config=IngestConfig(chunk_tokens=64, neighbours=2))
     index.add_texts(CORPUS)
     yield index
 

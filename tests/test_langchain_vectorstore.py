@@ -34,7 +34,7 @@ from fusionrag_integrations.langchain import FusionRAGRetriever, FusionRAGVector
 from fusionrag_integrations.langchain.embeddings import ChromaEmbeddings
 from tests.ingest_worker import tiny_engine
 
-CONFIG = IngestConfig(chunk_tokens=24, neighbors=2)
+CONFIG = IngestConfig(chunk_tokens=24, neighbours=2)
 TEXTS = [
     "The Lumen lighthouse was designed by Ada Vell.",
     "Ada Vell was born in the port town of Marrow.",

@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("index",),
     ("bench",),
     ("cli",),
+    ("demo",),
 )
 
 

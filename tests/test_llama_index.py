@@ -193,7 +193,7 @@ def test_transform_names_nodes_by_content_and_stores_fused_caches(tiny: FusionEn
     nodes = _nodes([*CHUNKS, CHUNKS[0]], [[1.0, 0.0], [0.9, 0.2], [0.0, 1.0], [1.0, 0.0]])
     old_ids = [n.node_id for n in nodes]
 
-    kept = FusionKVTransform(tiny, store=kv, neighbors=1)(nodes)
+    kept = FusionKVTransform(tiny, store=kv, neighbours=1)(nodes)
 
     assert [n.get_content() for n in kept] == CHUNKS
     ids = [n.node_id for n in kept]
@@ -223,7 +223,7 @@ def test_transform_names_nodes_by_content_and_stores_fused_caches(tiny: FusionEn
 def test_transform_rerun_computes_nothing_and_same_ids(tiny: FusionEngine, kv: KVStore,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     embeddings = [[1.0, 0.0], [0.6, 0.8], [0.0, 1.0]]
-    first = [n.node_id for n in FusionKVTransform(tiny, store=kv, neighbors=2)(_nodes(CHUNKS, embeddings))]
+    first = [n.node_id for n in FusionKVTransform(tiny, store=kv, neighbours=2)(_nodes(CHUNKS, embeddings))]
     calls: list[int] = []
     original = tiny.chunk_cache
 
@@ -233,7 +233,7 @@ def test_transform_rerun_computes_nothing_and_same_ids(tiny: FusionEngine, kv: K
 
     monkeypatch.setattr(tiny, "chunk_cache", counting)
 
-    again = [n.node_id for n in FusionKVTransform(tiny, store=kv, neighbors=2)(_nodes(CHUNKS, embeddings))]
+    again = [n.node_id for n in FusionKVTransform(tiny, store=kv, neighbours=2)(_nodes(CHUNKS, embeddings))]
 
     assert again == first and calls == []
 
@@ -242,8 +242,8 @@ def test_transform_refuses_documents_bad_settings_and_worker_processes(tiny: Fus
     transform = FusionKVTransform(tiny, store=kv)
     with pytest.raises(InvalidRequestError, match="node parser"):
         transform([Document(text=CHUNKS[0])])
-    with pytest.raises(InvalidRequestError, match="neighbors must be"):
-        FusionKVTransform(tiny, neighbors=-1)
+    with pytest.raises(InvalidRequestError, match="neighbours must be"):
+        FusionKVTransform(tiny, neighbours=-1)
     with pytest.raises(FusionRAGError, match="num_workers"):
         transform.__getstate__()
     storeless = FusionKVTransform(tiny)
@@ -255,7 +255,7 @@ def test_transform_refuses_documents_bad_settings_and_worker_processes(tiny: Fus
 def test_vector_store_retriever_returns_chunk_ids_and_refuses_foreign_nodes(tiny: FusionEngine, kv: KVStore,
                                                                             tmp_path: Path) -> None:
     embed = MockEmbedding(embed_dim=4)
-    ours = FusionKVTransform(tiny, store=kv, neighbors=1, embed_model=embed)(_nodes(CHUNKS, [[1.0, 0.0]] * 3))
+    ours = FusionKVTransform(tiny, store=kv, neighbours=1, embed_model=embed)(_nodes(CHUNKS, [[1.0, 0.0]] * 3))
     store = _chroma_store(tmp_path / "chroma", "ours")
     store.add(list(embed(ours)))
     hits = FusionRAGRetriever.from_vector_store(store, embed_model=embed, similarity_top_k=2).retrieve(QUESTION)
@@ -306,7 +306,7 @@ def pipeline_corpus(default_engine: FusionEngine, tmp_path_factory: pytest.TempP
     vector_store = ChromaVectorStore(chroma_collection=collection)
     pipeline = IngestionPipeline(
         transformations=[SentenceSplitter(chunk_size=160, chunk_overlap=0), embed,
-                         FusionKVTransform(llm, neighbors=2)],
+                         FusionKVTransform(llm, neighbours=2)],
         vector_store=vector_store,
     )
     pipeline.run(documents=documents)
@@ -380,7 +380,7 @@ def test_standard_synthesizer_reuses_marked_chunks(
 @pytest.mark.slow
 def test_query_engine_over_a_fusion_index(default_engine: FusionEngine, tmp_path: Path) -> None:
     index = FusionIndex.open(default_engine, tmp_path, collection_name="li-index",
-                             config=IngestConfig(chunk_tokens=64, neighbors=2))
+                             config=IngestConfig(chunk_tokens=64, neighbours=2))
     index.add_texts(CHUNKS)  # one chunk each
     question = QUESTION
     hits = FusionRAGRetriever.from_index(index, similarity_top_k=2).retrieve(question)

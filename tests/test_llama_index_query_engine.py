@@ -45,7 +45,7 @@ def index(smollm_tokenizer: PreTrainedTokenizerBase, tmp_path_factory: pytest.Te
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048)
     engine = FusionEngine(LlamaForCausalLM(config).eval(), smollm_tokenizer, name="tiny-llama")
     index = FusionIndex.open(engine, tmp_path_factory.mktemp("qe"), collection_name="qe-modes",
-                             config=IngestConfig(chunk_tokens=64, neighbors=1), storage_dtype="float32")
+                             config=IngestConfig(chunk_tokens=64, neighbours=1), storage_dtype="float32")
     index.add_texts(TEXTS)
     yield index
 

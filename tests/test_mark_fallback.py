@@ -53,7 +53,7 @@ def engine(tokenizer: PreTrainedTokenizerBase, one_thread: None) -> FusionEngine
 def store(engine: FusionEngine, tmp_path_factory: pytest.TempPathFactory) -> FusionRAGVectorStore:
     store = FusionRAGVectorStore(collection_name="marks", embedding_function=DeterministicFakeEmbedding(size=8),
                                  persist_directory=tmp_path_factory.mktemp("marks"), engine=engine,
-                                 config=IngestConfig(chunk_tokens=24, neighbors=2))
+                                 config=IngestConfig(chunk_tokens=24, neighbours=2))
     store.add_texts([*TEXTS, LONG], ids=[f"d{i}" for i in range(len(TEXTS))] + ["long"])
     return store
 

@@ -68,7 +68,7 @@ def engine(smollm_tokenizer: PreTrainedTokenizerBase, one_thread: None) -> Fusio
 @pytest.fixture(scope="module")
 def index(engine: FusionEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FusionIndex]:
     index = FusionIndex.open(engine, tmp_path_factory.mktemp("index"), config=IngestConfig(chunk_tokens=48,
-                                                                                          neighbors=2))
+                                                                                          neighbours=2))
     index.add_texts(TEXTS)
     yield index
 
@@ -142,7 +142,7 @@ def test_no_reuse_warns_once_per_model_with_the_cause(engine: FusionEngine, tmp_
 
 def test_verify_indexes_the_texts_of_a_corpus_ingested_without_a_content_index(engine: FusionEngine,
                                                                                tmp_path: Path) -> None:
-    index = FusionIndex.open(engine, tmp_path, config=IngestConfig(chunk_tokens=48, neighbors=1))
+    index = FusionIndex.open(engine, tmp_path, config=IngestConfig(chunk_tokens=48, neighbours=1))
     index.add_texts(TEXTS[:2])
     content = content_index_for(index.store)
     assert content is not None

@@ -40,7 +40,7 @@ def _nodes() -> list[TextNode]:
 def ingested(engine: FusionEngine, tmp_path_factory: pytest.TempPathFactory) -> tuple[VectorStoreIndex, Path]:
     """Nodes through FusionKVTransform (fused caches, content indexed), in a plain VectorStoreIndex."""
     kv = tmp_path_factory.mktemp("kv")
-    nodes = FusionKVTransform(engine, store=DiskKVStore(kv), neighbors=1)(_nodes())
+    nodes = FusionKVTransform(engine, store=DiskKVStore(kv), neighbours=1)(_nodes())
     return VectorStoreIndex(list(nodes), embed_model=MockEmbedding(embed_dim=4)), kv
 
 

@@ -54,7 +54,7 @@ from fusionrag_integrations.llama_index import (
 from tests.ingest_worker import tiny_engine
 from tests.lighthouse import QUESTION, TEXTS
 
-CONFIG = IngestConfig(chunk_tokens=48, neighbors=2)
+CONFIG = IngestConfig(chunk_tokens=48, neighbours=2)
 PROMPT = ChatPromptTemplate.from_messages([
     ("system", "Use the following pieces of retrieved context to answer the question.\n\n{context}"),
     ("human", "{question}"),

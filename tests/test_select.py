@@ -1,5 +1,5 @@
-"""The selectors beyond the paper's: several probe layers, a shallower (cheaper) probe, an adaptive
-ratio. Tiny random Llama and Gemma 3 models (a sliding-window architecture), SmolLM2 tokenizer."""
+"""Query-guided selection: the probe at several layers and depths, exact tokens, the registry.
+Tiny random Llama and Gemma 3 models (a sliding-window architecture), SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from transformers import PreTrainedTokenizerBase
 from fusionrag_core.engine import EngineConfig, FusionEngine
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.sampling import SamplingConfig
-from fusionrag_core.query.select import SelectConfig, get_selector, probe_layers, question_attention
+from fusionrag_core.query.select import SELECTORS, SelectConfig, get_selector, probe_layers, question_attention
+from fusionrag_core.query.selectors import DEFAULT_SELECTOR, SELECTOR_DESCRIPTIONS
 from fusionrag_core.query.stitch import Stitched, stitch
 from tests.test_engine import ARCHS, CHUNKS, _stitched, independent_caches, prompt_for
 
-NEW = ("query_guided_layers", "query_guided_early", "adaptive", "fusion_aware", "fusion_aware_early")
+QUERY_GUIDED = ("query_guided", "drift_aware")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -81,8 +82,8 @@ def test_question_attention_averages_layer_shares(engine: FusionEngine) -> None:
     assert got.sum().item() == pytest.approx(1.0, abs=1e-5)
 
 
-@pytest.mark.parametrize("name", NEW)
-def test_new_selectors_are_deterministic_and_respect_the_budget(engine: FusionEngine, name: str) -> None:
+@pytest.mark.parametrize("name", QUERY_GUIDED)
+def test_query_guided_selectors_are_deterministic_and_respect_the_budget(engine: FusionEngine, name: str) -> None:
     config = SelectConfig(ratio=0.25)
     picks = []
     for _ in range(2):
@@ -95,52 +96,30 @@ def test_new_selectors_are_deterministic_and_respect_the_budget(engine: FusionEn
     assert bool((picks[0][1:] > picks[0][:-1]).all())  # sorted, no duplicates
 
 
-@pytest.mark.parametrize("name", NEW)
-def test_new_selectors_at_ratio_one_equal_a_full_prefill(engine: FusionEngine, name: str) -> None:
+@pytest.mark.parametrize("name", QUERY_GUIDED)
+def test_query_guided_selectors_at_ratio_one_equal_a_full_prefill(engine: FusionEngine, name: str) -> None:
     prompt = prompt_for(engine, CHUNKS)
     caches = independent_caches(engine, CHUNKS)
     sampling = SamplingConfig(max_new_tokens=4)
     full = engine.full_attention(prompt, sampling=sampling).collect()
-    # adaptive spends the whole budget only when asked to cover all of the question's attention
-    covering = FusionEngine(engine.model, engine.tokenizer, config=EngineConfig(select=SelectConfig(adaptive_mass=1.0)))
-    gen = covering.generate(prompt, caches=caches, selector=name, ratio=1.0, sampling=sampling)
-    # the fusion-aware selectors leave the first chunk alone: its independent cache is already exact
-    skipped = caches["c0"].num_tokens if name.startswith("fusion_aware") else 0  # type: ignore[attr-defined]
+    gen = engine.generate(prompt, caches=caches, selector=name, ratio=1.0, sampling=sampling)
+    # drift_aware leaves the first chunk alone: its independent cache is already exact
+    skipped = caches["c0"].num_tokens if name == "drift_aware" else 0  # type: ignore[attr-defined]
     assert gen.recomputed_tokens == sum(c.num_tokens for c in caches.values()) - skipped  # type: ignore[attr-defined]
     assert (gen.first_token_logits - full.first_token_logits).abs().max().item() < 1e-3
     assert gen.token_ids == full.token_ids
 
 
-def test_adaptive_takes_the_fewest_tokens_covering_the_target(engine: FusionEngine) -> None:
-    st = _stitched(engine, CHUNKS)
-    scores = question_attention(st, (1.0,))
-    ranked = torch.sort(scores, descending=True).values
-    reusable = st.num_reused_tokens
-    for target in (0.05, 0.2, 0.4):
-        st = _stitched(engine, CHUNKS)
-        picked = get_selector("adaptive")(st, reusable, SelectConfig(adaptive_mass=target, adaptive_floor=0.0))
-        k = picked.numel()
-        assert ranked[:k].sum().item() >= target - 1e-6
-        assert k == 1 or ranked[: k - 1].sum().item() < target + 1e-6
-    # the floor and the ceiling (the budget) bound it
-    st = _stitched(engine, CHUNKS)
-    assert get_selector("adaptive")(st, 3, SelectConfig(adaptive_mass=1.0)).numel() == 3
-    st = _stitched(engine, CHUNKS)
-    floor = SelectConfig(adaptive_mass=1e-6, adaptive_floor=0.5)
-    assert get_selector("adaptive")(st, reusable, floor).numel() == -(-reusable // 2)
-
-
 def test_probe_depths_override_and_are_checked(engine: FusionEngine) -> None:
     st = _stitched(engine, CHUNKS)
-    early = get_selector("query_guided_early")(st, 6, SelectConfig())
+    scores = question_attention(st, (0.75,))
+    early = torch.sort(st.reusable_slots[torch.sort(-scores, stable=True).indices[:6]]).values
     st = _stitched(engine, CHUNKS)
     same = get_selector("query_guided")(st, 6, SelectConfig(probe_depths=(0.75,)))
     assert torch.equal(early, same)
     for bad in ((), (1.5,), (-0.1, 0.5)):
         with pytest.raises(InvalidRequestError, match="probe_depths"):
             SelectConfig(probe_depths=bad)
-    with pytest.raises(InvalidRequestError, match="adaptive_mass"):
-        SelectConfig(adaptive_mass=0.0)
 
 
 def test_probe_layers_out_of_range_are_refused(engine: FusionEngine) -> None:
@@ -184,24 +163,23 @@ def test_only_the_first_chunks_independent_cache_is_exact(engine: FusionEngine) 
     torch.testing.assert_close(st.buf.values[:, :, e], buf.values[:, :, e], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["fusion_aware", "fusion_aware_early"])
-def test_fusion_aware_spends_the_budget_off_exact_tokens(engine: FusionEngine, name: str) -> None:
+def test_drift_aware_spends_the_budget_off_exact_tokens(engine: FusionEngine) -> None:
     caches: dict[str, object] = dict(independent_caches(engine, CHUNKS))
-    plain = {"fusion_aware": "query_guided", "fusion_aware_early": "query_guided_early"}[name]
+    config = SelectConfig(last_token_share=None)
     for budget in (3, 10):
         st = _exact_stitched(engine, caches, exact_prefix=True)
-        picked = get_selector(name)(st, budget, SelectConfig())
+        picked = get_selector("drift_aware")(st, budget, config)
         assert picked.numel() == budget and not bool(torch.isin(picked, st.exact_slots).any())
-        # the same ranking as its plain query-guided twin, with the exact tokens taken out
+        # caches without drift all count as the prompt's mean drift: the question's attention ranks them
         st = _exact_stitched(engine, caches, exact_prefix=True)
-        ranked = get_selector(plain)(st, st.num_reused_tokens, SelectConfig())
-        scores = question_attention(st, (0.75,) if name.endswith("early") else (1.0,))
+        scores = question_attention(st, (0.75,))
         inexact = ~torch.isin(st.reusable_slots, st.exact_slots)
         order = torch.sort(-scores[inexact], stable=True).indices[:budget]
         assert torch.equal(picked, torch.sort(st.reusable_slots[inexact][order]).values)
-        assert bool(torch.isin(picked, ranked).all())
-    # with nothing exact it is its plain twin
-    st = _exact_stitched(engine, caches, exact_prefix=False)
-    a = get_selector(name)(st, 6, SelectConfig())
-    st = _exact_stitched(engine, caches, exact_prefix=False)
-    assert torch.equal(a, get_selector(plain)(st, 6, SelectConfig()))
+
+
+def test_selectors_follow_the_registry_and_open_their_docstrings_with_its_description() -> None:
+    assert list(SELECTOR_DESCRIPTIONS) == list(SELECTORS) and next(iter(SELECTORS)) == DEFAULT_SELECTOR
+    for name, selector in SELECTORS.items():
+        assert SELECTOR_DESCRIPTIONS[name] == (selector.__doc__ or "").splitlines()[0], name
+    assert EngineConfig().selector == DEFAULT_SELECTOR

@@ -10,7 +10,13 @@ from types import ModuleType
 
 import pytest
 
-from tests.conftest import default_engine, one_thread, tokenizer, tokenizer_path  # noqa: F401  (shared fixtures)
+from tests.conftest import (  # noqa: F401  (the product tests' shared fixtures)
+    default_engine,
+    one_thread,
+    smollm_tokenizer,
+    tokenizer,
+    tokenizer_path,
+)
 
 SCRIPTS = Path(__file__).resolve().parents[1]
 

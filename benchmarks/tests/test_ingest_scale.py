@@ -23,7 +23,7 @@ def test_ingest_scale_tiny_shape_on_cpu(tokenizer_path: Path, tmp_path: Path,
     out = tmp_path / "out"
     # NOTE: stage 3 of gpu_bench.sh but for the device, the shape and the sizes.
     script.main(["--shape", "tiny", "--tokenizer", str(tokenizer_path), "--device", "cpu", "--dtype", "float32",
-                 "--threads", "0", "--chunk-tokens", "48", "--chunks", "12", "--neighbors", "3", "--batches", "1,4",
+                 "--threads", "0", "--chunk-tokens", "48", "--chunks", "12", "--neighbours", "3", "--batches", "1,4",
                  "--prefill-tokens", "4096", "--data", str(data), "--profile", "--out", str(out)])
     doc = json.loads((out / "ingest_scale.json").read_text())
     one, four = doc["results"]

@@ -1,4 +1,4 @@
-"""Loader of the benchmark's multi-hop QA rows (MuSiQue dev set, LongBench/CacheBlend selection).
+"""Loader of the benchmark's multi-hop QA rows (`musique_dev.jsonl`, the LongBench/CacheBlend selection).
 
 The file is JSONL, one row a line:
 `{"question": str, "answers": [str, ...], "passages": [{"title": str, "text": str}, ...]}`.
@@ -30,7 +30,7 @@ class BenchRow:
         question: The question, non-empty.
         answers: Acceptable gold answers (aliases), at least one, each non-empty.
         passages: `(title, text)` pairs in dataset order, at least one; titles may be "" (the
-            MuSiQue dev file has none), texts are non-empty.
+            `musique_dev.jsonl` file has none), texts are non-empty.
     """
 
     question: str

@@ -52,17 +52,9 @@ METHODS: dict[str, Method] = {
         Method("fusionrag", "query_guided", "fused", True),
         Method("fusionrag_drift", "drift_aware", "fused", True),
         Method("random", "random", "independent", True),
-        Method("fusionrag_layers", "query_guided_layers", "fused", True),
-        Method("fusionrag_early", "query_guided_early", "fused", True),
-        Method("fusionrag_adaptive", "adaptive", "fused", True),
-        Method("fusionrag_aware", "fusion_aware", "fused", True),
-        Method("fusionrag_aware_early", "fusion_aware_early", "fused", True),
-        Method("fusionrag_two_stage", "two_stage", "fused", True),
-        Method("fusionrag_two_stage_adaptive", "two_stage_adaptive", "fused", True),
-        Method("fusionrag_drift_adaptive", "drift_adaptive", "fused", True),
     )
 }
-"""Every method the runner knows, by name."""
+"""Every method the runner knows, by name; each selector is a name in `query.select.SELECTORS`."""
 
 #: The paper's baselines, its FusionRAG (`fusionrag`: last-layer question attention) and the
 #: engine's default selection on fused caches (`fusionrag_drift`; a test keeps the two in step).

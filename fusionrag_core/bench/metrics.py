@@ -1,9 +1,9 @@
 """Quality and speed metrics of the benchmark, and their aggregation into results.json rows.
 
 Answer metrics follow the official SQuAD v1.1 evaluation script (normalisation, token F1, exact
-match, max over gold answers), which is what MuSiQue / LongBench / CacheBlend report. They are
-re-implemented here (about 30 lines) rather than pulled from `evaluate`, which would add a large
-dependency and a network download of the metric script for the same arithmetic.
+match, max over gold answers), which is what LongBench and CacheBlend report on this dataset.
+They are re-implemented here (about 30 lines) rather than pulled from `evaluate`, which would add
+a large dependency and a network download of the metric script for the same arithmetic.
 
 `normalized_f1` and the first-token KL / agreement are the FusionRAG paper's measures of how much
 of the quality gap between full KV reuse and full attention a method closes.

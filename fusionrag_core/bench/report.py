@@ -95,7 +95,7 @@ def table(summaries: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _rows(results: Mapping[str, Any]) -> str:
-    """`10 rows` or, for a slice that does not start at row 0, `rows 20-29`."""
+    """`10 rows` or, for a slice that does not start at row 0, `rows 10-14`."""
     first, n = int(results.get("first_row") or 0), int(results["rows"])
     return f"rows {first}-{first + n - 1}" if first else f"{n} rows"
 

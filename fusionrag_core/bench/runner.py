@@ -49,7 +49,7 @@ from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import CacheNotFoundError, ContextLengthError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest import chroma
-from fusionrag_core.ingest.config import IngestConfig, NeighbourOrder
+from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_core.ingest.records import NEIGHBOURS_KEY
 from fusionrag_core.query.divergence import first_token_agree, first_token_kl
 from fusionrag_core.query.sampling import SamplingConfig
@@ -75,10 +75,9 @@ class BenchConfig:
             speed ratio, is always run (added first if missing).
         ratios: recompute ratios of the methods that recompute.
         limit: rows of the dataset to run, after `skip` (None = all).
-        skip: leading rows of the dataset to leave out (a held-out slice: `skip=20, limit=10` runs
-            rows 20-29).
-        neighbors: n of fused ingest, capped at (passages in the row - 1).
-        neighbour_order: where fused prefill puts the most similar neighbour (see `IngestConfig`).
+        skip: leading rows of the dataset to leave out (a held-out slice: `skip=10, limit=5` runs
+            rows 10-14).
+        neighbours: n of fused ingest, capped at (passages in the row - 1).
         max_passage_tokens: cut each passage to its first N model tokens (None = keep whole).
         max_new_tokens: answer length limit (greedy; answers also stop at a newline).
         storage_dtype: dtype of the KV store's blobs (see `fusionrag_core.store.KVStore`).
@@ -94,8 +93,7 @@ class BenchConfig:
     ratios: tuple[float, ...] = DEFAULT_RATIOS
     limit: int | None = None
     skip: int = 0
-    neighbors: int = 10
-    neighbour_order: NeighbourOrder = "similar_last"
+    neighbours: int = 10
     max_passage_tokens: int | None = None
     max_new_tokens: int = 32
     storage_dtype: StorageDType = "float16"
@@ -122,8 +120,7 @@ class BenchConfig:
             raise InvalidRequestError(f"skip must be >= 0 rows, got {self.skip}")
         if self.max_passage_tokens is not None and self.max_passage_tokens < 1:
             raise InvalidRequestError(f"max_passage_tokens must be >= 1, got {self.max_passage_tokens}")
-        # NOTE: IngestConfig checks neighbors / neighbour_order with its own messages.
-        IngestConfig(neighbors=self.neighbors, neighbour_order=self.neighbour_order)
+        IngestConfig(neighbours=self.neighbours)  # NOTE: IngestConfig's own check and message.
         SamplingConfig(max_new_tokens=self.max_new_tokens)
         if self.corpus not in get_args(CorpusMode):
             raise InvalidRequestError(
@@ -394,9 +391,8 @@ def _ingest(
     # NOTE: one chunk per passage: the chunk budget is the longest passage, so no passage is split.
     chunk_tokens = max(len(tokenize_plain(engine.tokenizer, p)) for p in passages)
     settings: dict[Variant, IngestConfig] = {
-        "independent": IngestConfig(chunk_tokens=chunk_tokens, neighbors=0, fuse=False),
-        "fused": IngestConfig(chunk_tokens=chunk_tokens, neighbors=min(config.neighbors, len(passages) - 1),
-                              fuse=True, neighbour_order=config.neighbour_order),
+        "independent": IngestConfig(chunk_tokens=chunk_tokens, neighbours=0, fuse=False),
+        "fused": IngestConfig(chunk_tokens=chunk_tokens, neighbours=min(config.neighbours, len(passages) - 1)),
     }
     indexes: dict[Variant, FusionIndex] = {}
     chunk_ids: list[str] = []

@@ -7,7 +7,7 @@ and every Ray worker, so a chunk's caches are the same whichever path computed t
   (`rank_neighbours`, `batch_neighbours`);
 * independent: the chunk prefilled right after the canonical system prefix;
 * fused: the chunk prefilled after the prefix and its neighbours' independent caches (re-rotated
-  to consecutive positions), `neighbour_order` deciding where the nearest goes; a chunk with no
+  to consecutive positions), the nearest last, right before the chunk; a chunk with no
   neighbour's fused cache is its independent one; one that would not fit the model's context
   window is refused (`check_fusion_fits` up front, `CacheBuilder.fused` exactly). Every fused
   cache records the digest of its neighbour ids (`ChunkKV.fused_after`), whichever process built
@@ -42,7 +42,7 @@ from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_core.query.drift import fusion_drift
 from fusionrag_core.runtime.kv import ChunkKV, neighbours_digest
 from fusionrag_core.store.base import KVStore
-from fusionrag_core.store.codec import storage_torch_dtype
+from fusionrag_core.store.codec import as_stored, memory_torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -89,19 +89,19 @@ def batch_neighbours(
     return out
 
 
-def check_fusion_fits(engine: FusionEngine, neighbors: int, chunk_tokens: int) -> None:
-    """Refuse settings whose fused prefill (prefix, `neighbors` chunks, the chunk) cannot fit the model.
+def check_fusion_fits(engine: FusionEngine, neighbours: int, chunk_tokens: int) -> None:
+    """Refuse settings whose fused prefill (prefix, `neighbours` chunks, the chunk) cannot fit the model.
 
     Raises:
         ContextLengthError: it does not fit; says which settings to lower.
     """
     chunk = chunk_tokens + _SEPARATOR_SLACK
-    need = _prefix_tokens(engine) + (neighbors + 1) * chunk
+    need = _prefix_tokens(engine) + (neighbours + 1) * chunk
     if need > engine.context_window:
         raise ContextLengthError(
-            f"a fused prefill of {neighbors} neighbours + the chunk ({chunk_tokens} tokens each) needs ~{need} "
+            f"a fused prefill of {neighbours} neighbours + the chunk ({chunk_tokens} tokens each) needs ~{need} "
             f"positions, more than the model's {engine.context_window}; lower the number of neighbours "
-            "(IngestConfig.neighbors) or the chunk size (chunk_tokens)"
+            "(IngestConfig.neighbours) or the chunk size (chunk_tokens)"
         )
 
 
@@ -112,22 +112,23 @@ def _prefix_tokens(engine: FusionEngine) -> int:
 class IndependentCaches:
     """Independent caches to fuse with: an LRU in memory in front of the store.
 
-    NOTE: kept at the store's precision, so a fused cache is the same whether its neighbours came
-    from memory or from the store (a resumed ingest reproduces an uninterrupted one).
+    NOTE: kept at the precision the store gives back (`as_stored`), so a fused cache is the same
+    whether its neighbours came from memory or from the store (a resumed ingest reproduces an
+    uninterrupted one), 8-bit storage included.
     """
 
     def __init__(self, engine: FusionEngine, store: KVStore, budget_bytes: int) -> None:
         self.engine = engine
         self.store = store
         self.budget = budget_bytes
-        self._storage_dtype = storage_torch_dtype(store.storage_dtype)
+        self._dtype = memory_torch_dtype(store.storage_dtype)  # what `as_stored` keeps
         self._lru: OrderedDict[str, ChunkKV] = OrderedDict()
         self._bytes = 0
 
     def put(self, chunk_id: str, kv: ChunkKV, store_put: BlobPut | None = None) -> None:
         """Store `kv` (by `store_put`, default the store's own `put`) and keep it in memory to fuse with."""
         (store_put or self.store.put)(chunk_id, kv)
-        self._remember(chunk_id, kv.to("cpu", self._storage_dtype))
+        self._remember(chunk_id, as_stored(kv, self.store.storage_dtype))
 
     def get(self, chunk_id: str) -> ChunkKV:
         """The chunk's independent cache on the engine's device and dtype.
@@ -138,7 +139,7 @@ class IndependentCaches:
         kv = self._lru.get(chunk_id)
         if kv is None:
             kv = self.store.get(chunk_id, "independent", fingerprint=self.engine.fingerprint,
-                                shape=self.engine.kv_shape, device="cpu", dtype=self._storage_dtype)
+                                shape=self.engine.kv_shape, device="cpu", dtype=self._dtype)
             self._remember(chunk_id, kv)
         else:
             self._lru.move_to_end(chunk_id)
@@ -161,7 +162,7 @@ class CacheBuilder:
     Args:
         engine: the model.
         store: where independent caches go and neighbours' caches come from.
-        config: `neighbour_order`, `prefill_batch`, `prefill_tokens`, `neighbour_cache_mb`.
+        config: `prefill_batch`, `prefill_tokens`, `neighbour_cache_mb`, `chunk_tokens`.
         text_of: finds a neighbour's text when its independent cache is unusable (the cache is
             then recomputed); None: such a neighbour raises `InvalidRequestError`.
     """
@@ -229,11 +230,9 @@ class CacheBuilder:
             )
 
     def _ordered(self, neighbours: Neighbours) -> list[str]:
-        """Neighbour ids in the order they are stitched in front of the chunk."""
-        ordered = [nid for nid, _ in neighbours]
-        if self.config.neighbour_order == "similar_last":
-            ordered.reverse()
-        return ordered
+        """Neighbour ids in the order they are stitched in front of the chunk: the nearest last,
+        right before the chunk (`neighbours` come nearest first)."""
+        return [nid for nid, _ in reversed(neighbours)]
 
     def _context_tokens(self, neighbour_ids: Sequence[str]) -> int:
         # NOTE: a neighbour's length is only known once its cache is loaded; the chunk budget is a

@@ -147,7 +147,7 @@ class VerifyReport:
         recomputed: prefills run by the repair.
         removed: Chroma entries removed by the repair (the textless ones).
         without_drift: good fused caches of chunks with neighbours that carry no fusion drift
-            (written before drift was stored): not a problem (the `drift_*` selectors score them
+            (written before drift was stored): not a problem (`drift_aware` scores them
             with the prompt's mean drift), an upgrade the repair makes.
         drift_added: of those, the ones the repair gave their drift (from the two stored caches,
             no prefill).
@@ -282,7 +282,7 @@ class Ingestor:
 
     def _check_fits(self) -> None:
         if self.config.fuse:
-            check_fusion_fits(self.engine, self.config.neighbors, self.config.chunk_tokens)
+            check_fusion_fits(self.engine, self.config.neighbours, self.config.chunk_tokens)
 
     # ---- add ----------------------------------------------------------------------------------------
     def add(
@@ -528,7 +528,7 @@ class Ingestor:
 
     def _find_neighbours(self, new: Sequence[PendingChunk], embeddings: np.ndarray) -> None:
         """Each new chunk's n nearest other chunks among the collection and the other new chunks."""
-        n = self.config.neighbors
+        n = self.config.neighbours
         if not new or n == 0:
             return
         in_batch = self._batch_neighbours(embeddings, [c.chunk_id for c in new], n)
@@ -545,7 +545,7 @@ class Ingestor:
 
     def _affected_by(self, new: Sequence[PendingChunk], embeddings: np.ndarray) -> list[str]:
         """Chunks in the collection whose top-n set gains one of `new` (nearer than their n-th)."""
-        if not new or self.config.neighbors == 0:
+        if not new or self.config.neighbours == 0:
             return []
         new_ids = [c.chunk_id for c in new]
         new_set = set(new_ids)
@@ -580,7 +580,7 @@ class Ingestor:
                                                   **ownership(c.owners), CHUNK_ID_KEY: c.chunk_id,
                                                   **node_record(c.chunk_id, c.owners[0], c.metadata)}
                     if self.config.fuse:
-                        meta.update(fusion_state(c.neighbours, self.config.neighbors))
+                        meta.update(fusion_state(c.neighbours, self.config.neighbours))
                     metas.append(meta)
                 unembedded = [c for c in batch if c.embedding is None]
                 for c, embedding in zip(unembedded, self._embed([c.text for c in unembedded]), strict=True):
@@ -620,11 +620,11 @@ class Ingestor:
             if not self.store.has(row.chunk_id, "independent"):
                 self.builder.independent([(row.chunk_id, row.text)])
             neighbours = rank_neighbours(dict(chroma.query_neighbours(
-                self.collection, unit_rows([row.embedding])[0].tolist(), self.config.neighbors,
-                exclude_ids=[row.chunk_id])), self.config.neighbors)
+                self.collection, unit_rows([row.embedding])[0].tolist(), self.config.neighbours,
+                exclude_ids=[row.chunk_id])), self.config.neighbours)
             kv = self.builder.fused([(row.chunk_id, row.text, neighbours)])[0]
             self.store.put(row.chunk_id, kv)
-            chroma.update_metadata(self.collection, [row.chunk_id], [fusion_state(neighbours, self.config.neighbors)])
+            chroma.update_metadata(self.collection, [row.chunk_id], [fusion_state(neighbours, self.config.neighbours)])
             done += 1
         return done
 

@@ -2,7 +2,7 @@
 
 A recompute, probe or chunk-prefill pass runs a few queries at scattered positions over a long
 stitched buffer. A masked SDPA call over the whole buffer costs `N x S` however little the mask
-lets through (and its masked kernel is 1.2-1.6x slower per score than the unmasked one on CPU). Here a
+lets through (and its masked kernel is slower per score than the unmasked one on CPU). Here a
 pass is planned once — not per layer — from its `MaskSpec`:
 
 * queries are cut into blocks of consecutive rows; because slots are ordered by position (every

@@ -18,7 +18,7 @@ query sees (`attention.py`), and (c) read attention mass without materialising a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -69,12 +69,11 @@ class _Pass:
     def plan(self, window: int | None) -> attention.Plan:
         """The attention plan of layers with this window, built on first use (once per pass).
 
-        A pass of a few queries over a short buffer (a query-guided probe: the question alone)
-        attends in ONE masked call (`Plan("dense")`) instead of a body, a tail and their merge:
-        on CPU that is ~7% less time at ~860 keys (747 vs 807 us, 23 queries, one thread) and a
-        dozen fewer kernels per layer (fewer parallel regions for a second thread to join).
-        Past ~2K keys the unmasked body wins (4K keys: 3.63 vs 3.48 ms), and one-query passes
-        (decode) have no tail to save. CPU only: measured there.
+        On CPU, a pass of a few queries over a short buffer (a query-guided probe: the question
+        alone) attends in ONE masked call (`Plan("dense")`) instead of a body, a tail and their
+        merge: a dozen fewer kernels per layer, so fewer parallel regions for a second thread to
+        join. Past `DENSE_MAX_KEYS` keys the unmasked body wins, and one-query passes (decode) have
+        no tail to save. Other devices always take the planned path (the thresholds are CPU ones).
         """
         if window not in self._plans:
             spec = self.window_spec(window)
@@ -183,31 +182,24 @@ class Decoder:
 
     @torch.inference_mode()
     def probe(self, buf: KVBuffer, token_ids: torch.Tensor, slots: torch.Tensor, *,
-              layers: Sequence[int], readers: int | None = None,
-              weights: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+              layers: Sequence[int], weights: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
         """Attention mass every slot receives from `token_ids`' queries, at each of `layers`.
 
         The tokens (a question) run at their slots up to the highest layer asked for; their K/V are
         written on the way (a later pass overwrites them), nothing above it runs.
 
         Args:
-            readers: score only the last `readers` tokens' queries (None: all of them). The tokens
-                before them run as in a recompute pass (their fresh K/V seen by the readers): a
-                re-probe after recomputing some chunk tokens (`select.select_two_stage`).
-            weights: `[readers or N]` each scored token's weight in the sum (None: 1 each).
+            weights: `[N]` each token's weight in the sum (None: 1 each).
 
         Returns:
             layer -> `[buf.length]` fp32: softmax per head over the visible keys, summed over heads
-            and the scored tokens (weighted by `weights`).
+            and tokens (weighted by `weights`).
         """
         if not layers or not all(0 <= layer < self.num_layers for layer in layers):
             raise ValueError(f"attention layers {list(layers)} must be non-empty and in [0, {self.num_layers})")
         n = int(token_ids.shape[0])
-        if readers is not None and not 0 < readers <= n:
-            raise ValueError(f"readers must be in [1, {n}] (the scored last tokens), got {readers}")
-        scored = slice(n - (readers or n), n)
-        if weights is not None and weights.shape != (readers or n,):
-            raise ValueError(f"weights must be [{readers or n}] (one per scored token), got {list(weights.shape)}")
+        if weights is not None and weights.shape != (n,):
+            raise ValueError(f"weights must be [{n}] (one per scored token), got {list(weights.shape)}")
         top = max(layers)
         p = self._pass(buf, slots, None)
         x = self._embed(token_ids)
@@ -215,9 +207,7 @@ class Decoder:
         for i in range(top + 1):
             q = self._write(i, x, p)
             if i in layers:
-                spec = p.window_spec(self.windows[i])
-                spec = replace(spec, q_pos=spec.q_pos[scored])
-                masses[i] = attention.attention_mass(q[0, :, scored], buf.keys[i, :, :p.length], spec,
+                masses[i] = attention.attention_mass(q[0], buf.keys[i, :, :p.length], p.window_spec(self.windows[i]),
                                                      scale=self.scaling, weights=weights)
             if i == top:
                 break  # NOTE: the mass is read from this layer's queries and keys; its output feeds nothing

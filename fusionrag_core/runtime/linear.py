@@ -2,9 +2,8 @@
 
 torch's CPU `F.linear` is MKL's sgemm. For the few-row products of a query — the query-guided
 probe (the question's ~25 tokens through most layers) and the recompute pass (~15% of the
-context) — it runs well below the core's rate on this AMD EPYC (Zen 4): 23 rows x 576 -> 1536
-take 659 us on MKL and 438 us on oneDNN with a prepacked weight (one thread; at 860 rows the gap
-is 1.1-1.3x). A packed weight also skips oneDNN's per-call reorder.
+context) — it runs well below the core's rate, and oneDNN with a prepacked weight runs them
+faster. A packed weight also skips oneDNN's per-call reorder.
 
 Projections that read the same input are packed as one weight — q/k/v, and the MLP's gate/up —
 so a layer runs 4 products instead of 7: fewer, wider calls, which matters most with two threads
@@ -13,8 +12,8 @@ output column the same way however many columns a call has: the fused products e
 separate ones bit for bit (`tests/test_linear.py`).
 
 Single-row products (a decode step) stay on MKL, which is as fast or faster there. The packed
-copy doubles the decoder layers' projection weights in memory (SmolLM2-135M: +0.43 GB), so it is
-an engine option (`EngineConfig.packed_linears`); GPUs and non-fp32 weights use `F.linear`.
+copy doubles the decoder layers' projection weights in memory, so it is an engine option
+(`EngineConfig.packed_linears`); GPUs and non-fp32 weights use `F.linear`.
 The copy is taken when the `Decoder` is built: weights changed in place afterwards (an adapter
 merged into the model) do not reach it, so build the engine after such changes.
 Results equal `F.linear`'s up to float rounding (another blocking of the same sums).

@@ -26,8 +26,8 @@ class KVStore(ABC):
     caches that would overflow). "bfloat16" keeps the float32 range with ~8e-3 relative error;
     "float32" is exact for float32 models. "int8" and "float8_e4m3fn" store one byte per value
     with an fp32 scale per (layer, head, dim) channel: half of float16's bytes, decoded on the
-    device the cache is loaded to (README: bytes, load time and first-token KL measured). `get`
-    casts back to the dtype the cache was computed in unless asked for another.
+    device the cache is loaded to. `get` casts back to the dtype the cache was computed in unless
+    asked for another.
 
     Use as a context manager, or call `close()`.
     """

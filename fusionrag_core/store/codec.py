@@ -24,6 +24,7 @@ import json
 import re
 import struct
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -116,6 +117,23 @@ def storage_torch_dtype(storage_dtype: str) -> torch.dtype:
         raise InvalidRequestError(
             f"unsupported storage dtype {storage_dtype!r}; use one of {STORAGE_DTYPES}"
         ) from None
+
+
+def as_stored(kv: ChunkKV, storage_dtype: StorageDType) -> ChunkKV:
+    """`kv` on the CPU at the precision a store of `storage_dtype` gives it back: cast to a float
+    format, or quantised and decoded to fp32 for an 8-bit one (exactly what `decode_blob` returns).
+
+    A copy kept in memory at this precision computes the same as one read back from the store.
+    """
+    if storage_dtype not in QUANTIZED:
+        return kv.to("cpu", storage_torch_dtype(storage_dtype))
+    keys, values = (dequantize(*quantize(t, storage_dtype), torch.float32, "cpu") for t in (kv.keys, kv.values))
+    return replace(kv.to("cpu"), keys=keys, values=values)
+
+
+def memory_torch_dtype(storage_dtype: StorageDType) -> torch.dtype:
+    """The dtype `as_stored` gives: the storage dtype, or fp32 for an 8-bit one."""
+    return torch.float32 if storage_dtype in QUANTIZED else storage_torch_dtype(storage_dtype)
 
 
 def _tensor_names(storage_dtype: str, version: str) -> tuple[str, ...]:

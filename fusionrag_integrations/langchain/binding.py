@@ -4,56 +4,55 @@ A model is described by cheap fields (model id, data directory, sampling and sel
 resolved to a `FusionEngine` on first use, so constructing one never loads weights. Its KV store is
 passed to the engine with each request (as `FusionIndex.answer` does): that is where the engine
 looks chunk caches up by chunk id, and why one engine can serve models reading different stores.
+
+The reuse itself (where caches come from, learning, the engine call, the no-reuse warning) is the
+model's `fusionrag_integrations.session.ReuseSession`, the same as for the LlamaIndex LLM; the
+models translate LangChain's messages, options and callbacks.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 from uuid import UUID
 
 import torch
 from langchain_core.language_models import LangSmithParams
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from typing_extensions import Self
 
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.index import FusionIndex
-from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, kv_dir, learned_dir
+from fusionrag_core.paths import DEFAULT_COLLECTION, kv_dir
 from fusionrag_core.query.prompt import FusionPrompt
-from fusionrag_core.query.stitch import Stitched
-from fusionrag_core.reuse.learned import DEFAULT_MAX_BYTES, LearnConfig, LearnedCaches, open_learned
-from fusionrag_core.reuse.sources import ReuseMonitor, ReuseSources
-from fusionrag_core.runtime.kv import Variant
+from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_core.runtime.loading import DEFAULT_MODEL, check_device
 from fusionrag_core.store import DiskKVStore, KVStore
 from fusionrag_integrations.arguments import normalize_arguments
+from fusionrag_integrations.fields import OptionFields, ReuseFields
 from fusionrag_integrations.langchain.observe import retrieved_texts
-from fusionrag_integrations.request import RequestOptions, generation_stats, request_options, text_pieces
-from fusionrag_integrations.response_format import response_grammar
+from fusionrag_integrations.request import generation_stats
+from fusionrag_integrations.session import ReuseSession
 
 PROVIDER = "fusionrag"
 
-# Per-call keyword arguments a FusionRAG model accepts (`model.invoke(..., max_tokens=8)`).
-CALL_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-                          "selector", "ratio", "variant"})
-# Per-call HF names accepted for the same options (`invoke(..., max_new_tokens=8)`).
-CALL_ALIASES = {"max_new_tokens": "max_tokens"}
 
-
-class FusionRAGModelFields(BaseModel):
+class FusionRAGModelFields(OptionFields, ReuseFields):
     """Fields and engine binding shared by `ChatFusionRAG` and `FusionRAGLLM`.
 
     Where engine and caches come from, in order: `index` (its engine and KV store); `engine` (an
     already loaded FusionEngine) with `store` (None: no chunk cache is reused, every chunk is
     prefilled and reported in `cache_miss_ids`); else `model` is loaded on first use and reads
     `store`, or the disk store that `FusionIndex.open(data_dir, collection_name=...)` writes.
+    Sampling and selection fields (`OptionFields`) are the defaults of every call; learning
+    fields (`ReuseFields`) configure the model's `ReuseSession`. Documents a LangChain retriever
+    returned in this model's run (same chain) are the ones it may learn.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
+    FIELD_NAMES: ClassVar[Mapping[str, str]] = {"max_new_tokens": "max_tokens"}
 
     model: str | None = None
     """Model to load on first use: a packaged alias ("smollm2-135m", "gemma3-270m"), a .gguf file, a
@@ -64,55 +63,20 @@ class FusionRAGModelFields(BaseModel):
     """A FusionIndex: its engine answers and its KV store supplies the caches."""
     store: KVStore | None = Field(default=None, exclude=True, repr=False)
     """KV store of chunk caches (e.g. `fusionrag_core.store.open_store(...)`)."""
-    data_dir: str = DEFAULT_DATA_DIR
-    """Data directory of `FusionIndex.open`; its disk KV store is read when nothing else names one."""
     collection_name: str = DEFAULT_COLLECTION
-    """Collection whose disk KV store under `data_dir` is read (`FusionIndex.open(collection_name=...)`)."""
+    """Collection whose disk KV store under `data_dir` is read when neither `index` nor `store` names
+    one (`FusionIndex.open(data_dir, collection_name=...)`)."""
     device: str | None = None
     """Device to load `model` on (default CUDA if available, else CPU); alias `device_map` (one
     device: "auto", "cpu", "cuda:N"; an int is a pipeline index, -1 = CPU)."""
     dtype: str | torch.dtype | None = None
     """dtype to load `model` in, a name or a `torch.dtype` (default bf16 on GPU, fp32 on CPU);
     alias `torch_dtype`."""
-
     max_tokens: int = 256
     """Most tokens to generate; alias `max_new_tokens`."""
-    temperature: float = 0.0
-    """Sampling temperature; 0 is greedy (reproducible)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
-    top_k: int | None = None
-    """Sample among the k most likely tokens (None/0: off; NOTE: transformers' generate defaults to 50)."""
-    min_p: float | None = None
-    """Drop tokens below min_p x the top token's probability (None: off)."""
-    repetition_penalty: float = 1.0
-    """CTRL repetition penalty over prompt and answer tokens, also when greedy (1.0: off)."""
-    seed: int | None = None
-    """Seed of the sampler (only matters when temperature > 0)."""
-    stop: list[str] | None = None
-    """Stop strings; a per-call `stop` replaces them."""
-    selector: str | None = None
-    """Which chunk tokens to recompute: "drift_aware" (FusionRAG with a cheaper probe, attention
-    weighted by fusion drift), "fusion_aware_early" (the same without drift), "query_guided" (the
-    paper's FusionRAG), "kv_deviation" (CacheBlend), "first_k" (EPIC), "random", "none" (full
-    reuse), "all"; None: the engine's default (drift_aware)."""
-    ratio: float | None = None
-    """Fraction of reused chunk tokens to recompute (None: the engine's default, 0.15)."""
-    variant: Variant | None = None
-    """Stored cache variant to prefer: "fused" or "independent" (None: the engine's default)."""
-    full_attention: bool = False
-    """Answer with a plain prefill of the whole prompt, reusing no cache (the baseline to compare with)."""
-    learn: bool = True
-    """Keep the K/V of documents a LangChain retriever returned in this model's run (same chain) as
-    their caches, so they are reused from the next prompt that holds them, with no ingest."""
-    learned_dir: str | None = None
-    """Directory of learned caches (default `<data_dir>/learned/<model fingerprint>`)."""
-    learned_max_bytes: int = DEFAULT_MAX_BYTES
-    """Bound of the learned caches in bytes; the least recently used go first."""
 
-    _loaded: tuple[FusionEngine, KVStore | None] | None = PrivateAttr(default=None)
+    _session: ReuseSession | None = PrivateAttr(default=None)
     _load_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
-    _monitor: ReuseMonitor | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -120,7 +84,7 @@ class FusionRAGModelFields(BaseModel):
         # NOTE: HF-ecosystem names (model_id, max_new_tokens, device_map, torch_dtype, model_kwargs,
         # pipeline_kwargs) fold into their fields; any other unknown argument is an error.
         if isinstance(data, Mapping):
-            return normalize_arguments(data, cls.model_fields, cls.__name__)
+            return normalize_arguments(data, cls.model_fields, cls.__name__, cls.FIELD_NAMES)
         return data
 
     @model_validator(mode="after")
@@ -141,7 +105,8 @@ class FusionRAGModelFields(BaseModel):
             )
         check_device(self.device)  # NOTE: here, so a missing CUDA fails before any weight is read
         # NOTE: built once here so a bad value fails at construction, with the core's own message.
-        self.request_options(None, {})
+        self.request_options({})
+        self.reuse_config()
         return self
 
     @classmethod
@@ -212,19 +177,21 @@ class FusionRAGModelFields(BaseModel):
 
     def fusion_engine(self) -> FusionEngine:
         """The engine, loaded on first use."""
-        return self._resolve()[0]
+        return self.reuse_session().engine
 
     def kv_store(self) -> KVStore | None:
         """The KV store this model passes with each request (None: no chunk cache is reused)."""
-        return self._resolve()[1]
+        return self.reuse_session().store
 
-    def _resolve(self) -> tuple[FusionEngine, KVStore | None]:
-        if self._loaded is None:
+    def reuse_session(self) -> ReuseSession:
+        """This model's engine, KV store and learned caches, made on first use (loading the model)."""
+        if self._session is None:
             # NOTE: a lock, because abatch/ainvoke may reach an unloaded model from several threads.
             with self._load_lock:
-                if self._loaded is None:
-                    self._loaded = self._load()
-        return self._loaded
+                if self._session is None:
+                    index_dir = self.index.data_dir if self.index is not None else None
+                    self._session = ReuseSession(*self._load(), self.reuse_config(index_dir))
+        return self._session
 
     def _load(self) -> tuple[FusionEngine, KVStore | None]:
         if self.index is not None:
@@ -236,78 +203,20 @@ class FusionRAGModelFields(BaseModel):
             store = DiskKVStore(kv_dir(self.data_dir, self.collection_name))
         return FusionEngine.from_pretrained(self.model, device=self.device, dtype=self.dtype), store
 
-    # ---- requests --------------------------------------------------------------------------------
-    def request_options(self, stop: Sequence[str] | None, overrides: Mapping[str, Any]) -> RequestOptions:
-        """This model's options with a call's `stop` and keyword overrides applied.
-
-        Raises:
-            InvalidRequestError: an unknown keyword, or a value the engine would refuse.
-        """
-        overrides = {CALL_ALIASES.get(k, k): v for k, v in overrides.items()}
-        response_format = overrides.pop("response_format", None)
-        unknown = set(overrides) - CALL_OPTIONS
-        if unknown:
-            raise InvalidRequestError(
-                f"unsupported call option(s) {sorted(unknown)}; a FusionRAG model accepts "
-                f"{sorted([*CALL_OPTIONS, 'response_format'])} "
-                "(chunk caches are found by the chunk texts in the prompt, or by format_docs marks)"
-            )
-        value = {name: overrides.get(name, getattr(self, name)) for name in CALL_OPTIONS}
-        value["max_new_tokens"] = value.pop("max_tokens")  # NOTE: LangChain's name for SamplingConfig's.
-        value["stop"] = stop if stop is not None else self.stop or ()
-        value["grammar"] = response_grammar(response_format) if response_format is not None else None
-        return request_options(value, full_attention=self.full_attention)
-
-    def reuse_sources(self) -> ReuseSources:
-        """Where this request's caches come from: the KV store (ingested), then learned caches."""
-        engine, store = self._resolve()
-        return ReuseSources(store, self._learned(engine, create=False),
-                            learning=self.learn and not self.full_attention)
-
-    def reuse_prompt(self, messages: Sequence[Mapping[str, str]], run_id: UUID | None) -> FusionPrompt:
+    def reuse_prompt(self, messages: Sequence[Mapping[str, str]], run_id: UUID | None,
+                     sources: ReuseSources | None = None) -> FusionPrompt:
         """`messages` as a FusionPrompt: stored chunks found by mark or content; documents a retriever
-        returned in the trace of `run_id` (this model's run) become learnable chunks."""
-        documents = retrieved_texts(run_id) if self.learn else []
-        return self.reuse_sources().prompt(self.fusion_engine(), messages, documents)
+        returned in the trace of `run_id` (this model's run) become learnable chunks.
 
-    def _learned(self, engine: FusionEngine, *, create: bool) -> LearnedCaches | None:
-        """The learned caches, or None when learning is off (or, unless `create`, none exist yet)."""
-        if not self.learn:
-            return None
-        root = learned_dir(self.data_dir, engine.fingerprint)
-        if self.learned_dir:
-            root = Path(self.learned_dir).expanduser()
-        if not create and not (root / "lru.sqlite").exists():
-            return None
-        return open_learned(root, engine.fingerprint, LearnConfig(max_bytes=self.learned_max_bytes))
-
-    def generate_pieces(
-        self, prompt: FusionPrompt, stop: Sequence[str] | None, overrides: Mapping[str, Any]
-    ) -> Iterator[str | Generation]:
-        """Stream `prompt`: text pieces (mark characters removed), then the finished Generation.
-
-        Chunks without a usable cache that are learnable are kept as learned caches; a request with
-        context that reuses nothing logs one warning per model (see `fusionrag_core.reuse.sources`).
+        Args:
+            messages: role/content dicts (`messages.to_chat_dicts`).
+            run_id: this model's LangChain run (None: no retrieved documents are known).
+            sources: the request's sources (default: those of a call with this model's own options).
         """
-        options = self.request_options(stop, overrides)
-        engine, sources = self.fusion_engine(), self.reuse_sources()
-
-        def learn(request: FusionPrompt, st: Stitched) -> None:
-            learned = self._learned(engine, create=True)
-            if learned is not None and any(request.segments[i].learn for i, _ in st.missed):
-                learned.learn(request, st)
-
-        stream = options.stream(engine, prompt, store=sources, learn=learn if self.learn else None)
-        for piece in text_pieces(stream):
-            if isinstance(piece, Generation) and not options.full_attention:
-                self._reuse_monitor().check(engine, prompt, piece, sources)
-            yield piece
-
-    def _reuse_monitor(self) -> ReuseMonitor:
-        with self._load_lock:
-            if self._monitor is None:
-                self._monitor = ReuseMonitor(self.model_name)
-            return self._monitor
+        session = self.reuse_session()
+        if sources is None:
+            sources = session.sources(self.request_options({}))
+        return session.prompt(messages, sources, retrieved_texts(run_id))
 
     # ---- LangChain overrides shared by both models ----------------------------------------------
     # NOTE: this mixin comes before BaseChatModel / LLM in their bases, so these override those
@@ -315,21 +224,7 @@ class FusionRAGModelFields(BaseModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         """What distinguishes this model's answers (LangChain's cache key and tracing)."""
-        return {
-            "model_name": self.model_name,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-            "seed": self.seed,
-            "stop": self.stop,
-            "selector": self.selector,
-            "ratio": self.ratio,
-            "variant": self.variant,
-            "full_attention": self.full_attention,
-        }
+        return {"model_name": self.model_name, **{field: getattr(self, field) for field in self.option_fields()}}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         """LangSmith parameters: the base class's, plus provider, model name and default stop."""

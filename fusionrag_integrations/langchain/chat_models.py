@@ -24,6 +24,7 @@ from langchain_core.runnables import Runnable
 from fusionrag_core.engine import Generation
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
+from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_integrations.langchain.binding import FusionRAGModelFields, generation_metadata
 from fusionrag_integrations.langchain.documents import chunk_inputs
 from fusionrag_integrations.langchain.messages import to_chat_dicts
@@ -87,20 +88,22 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
         raise NotImplementedError(BIND_TOOLS_MESSAGE)
 
     def fusion_prompt(self, messages: list[BaseMessage], documents: Sequence[Document] | None = None,
-                      run_id: UUID | None = None) -> FusionPrompt:
+                      run_id: UUID | None = None, sources: ReuseSources | None = None) -> FusionPrompt:
         """The engine request `invoke(messages, documents=documents)` runs.
 
         Args:
             messages: the conversation; chunks marked in its text are recognised.
             documents: None, or the passages of a canonical prompt (then `messages` is one human
                 question, optionally after one system instruction).
+            run_id: this model's LangChain run, whose retrieved documents may be learned.
+            sources: the request's sources (see `reuse_prompt`).
 
         Raises:
             InvalidRequestError: `documents` given with other messages than that.
         """
         engine = self.fusion_engine()
         if documents is None:
-            return self.reuse_prompt(to_chat_dicts(messages), run_id)
+            return self.reuse_prompt(to_chat_dicts(messages), run_id, sources)
         system, question = messages[:-1], messages[-1] if messages else None
         if not isinstance(question, HumanMessage) or len(system) > 1 or not all(
             isinstance(m, SystemMessage) for m in system
@@ -131,8 +134,12 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
         # NOTE: async (`ainvoke`, `astream`) is LangChain's default: this generator runs in an
         # executor thread, so the blocking engine never stalls the event loop.
         documents = kwargs.pop("documents", None)
-        prompt = self.fusion_prompt(messages, documents, run_manager.run_id if run_manager is not None else None)
-        for piece in self.generate_pieces(prompt, stop, kwargs):
+        options = self.request_options(kwargs, stop=stop)
+        session = self.reuse_session()
+        sources = session.sources(options)
+        run_id = run_manager.run_id if run_manager is not None else None
+        prompt = self.fusion_prompt(messages, documents, run_id, sources)
+        for piece in session.run(prompt, options, sources):
             if isinstance(piece, Generation):
                 yield self._final_chunk(piece)
                 return

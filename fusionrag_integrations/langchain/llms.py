@@ -81,9 +81,12 @@ class FusionRAGLLM(FusionRAGModelFields, LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
+        options = self.request_options(kwargs, stop=stop)
+        session = self.reuse_session()
+        sources = session.sources(options)
         run_id = run_manager.run_id if run_manager is not None else None
-        request = self.reuse_prompt(to_chat_dicts([HumanMessage(content=prompt)]), run_id)
-        for piece in self.generate_pieces(request, stop, kwargs):
+        request = self.reuse_prompt(to_chat_dicts([HumanMessage(content=prompt)]), run_id, sources)
+        for piece in session.run(request, options, sources):
             if isinstance(piece, Generation):
                 yield GenerationChunk(text="", generation_info=generation_metadata(piece, self.model_name))
                 return

@@ -6,6 +6,10 @@ as are `mark_chunk` marks, and their caches reused; other text is prefilled. Nod
 retrieved (seen through LlamaIndex instrumentation, observe.py) that had no cache are learned as
 caches. So the standard `index.as_query_engine(llm=FusionRAGLLM(...))` gets reuse with its default
 synthesizer and templates; `FusionRAGQueryEngine` builds the canonical prompt directly instead.
+
+This module translates LlamaIndex's prompts, options and responses; the reuse itself (where caches
+come from, learning, the engine call, the no-reuse warning) is `fusionrag_integrations.session`'s,
+the same as for the LangChain models.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -35,56 +38,35 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
 from llama_index.core.types import PydanticProgramMode
 
-from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
+from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.paths import DEFAULT_DATA_DIR, learned_dir
-from fusionrag_core.query.prompt import FusionPrompt
-from fusionrag_core.query.stitch import Stitched
 from fusionrag_core.recognise.marks import clean_output
-from fusionrag_core.reuse.learned import DEFAULT_MAX_BYTES, LearnConfig, LearnedCaches, open_learned
-from fusionrag_core.reuse.sources import ReuseMonitor, ReuseSources
 from fusionrag_core.runtime.loading import check_device
 from fusionrag_core.store import KVStore, open_store
 from fusionrag_integrations.arguments import normalize_arguments
+from fusionrag_integrations.fields import OptionFields, ReuseFields
 from fusionrag_integrations.llama_index.aio import call_in_thread, iterate_in_thread
 from fusionrag_integrations.llama_index.calls import record, recording
 from fusionrag_integrations.llama_index.observe import record_call, retrieved_texts
-from fusionrag_integrations.request import (
-    RequestOptions,
-    check_call_options,
-    generation_stats,
-    request_options,
-    text_pieces,
-)
-from fusionrag_integrations.response_format import json_schema_format, response_grammar
+from fusionrag_integrations.request import RESPONSE_FORMAT, generation_stats
+from fusionrag_integrations.response_format import json_schema_format
+from fusionrag_integrations.session import ReuseSession
 
 Model = TypeVar("Model", bound=BaseModel)
 
-# Per-call keyword arguments `complete`/`chat` accept (they override the LLM's fields for one call).
-GENERATION_KWARGS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                               "seed", "stop", "selector", "ratio"})
-# Per-call only: constrain the answer (an OpenAI-shaped value, `response_format.response_grammar`).
-RESPONSE_FORMAT = "response_format"
-# NOTE: the shared HF-name folding (fusionrag_integrations.arguments) targets LangChain's field names.
-_RENAME = {"max_tokens": "max_new_tokens"}
 
-
-def generation_metadata(generation: Generation) -> dict[str, Any]:
-    """What responses report about a generation: `Generation.stats()` plus the per-chunk cache misses
-    (`fusionrag_integrations.request.generation_stats`, shared with the LangChain models)."""
-    return generation_stats(generation)
-
-
-class FusionRAGLLM(CustomLLM):
+class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
     """A LlamaIndex LLM that reuses chunk KV caches (FusionRAG) for chunks marked in its prompts.
 
     The model loads lazily on first use (construction is cheap), or pass a built `engine=`.
     Constructor names follow `HuggingFaceLLM` (`model_name`, `device_map`, `generate_kwargs`, ...;
-    see `__init__`); sampling (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`,
-    `seed`, `stop`) is the core `SamplingConfig`, per LLM or per call. `structured_predict` /
-    `as_structured_llm(cls)` decode under the JSON-schema grammar of the Pydantic class.
-    Responses carry `generation_metadata` (TTFT, reused/recomputed tokens, ...) in
-    `additional_kwargs` and `raw`; when streaming, the last response (empty `delta`) carries it.
+    see `__init__`); sampling and selection (`temperature`, `top_p`, `top_k`, `min_p`,
+    `repetition_penalty`, `seed`, `stop`, `selector`, `ratio`, `variant`, `full_attention`) are
+    the fields of `fusionrag_integrations.fields.OptionFields`, per LLM or per call.
+    `structured_predict` / `as_structured_llm(cls)` decode under the JSON-schema grammar of the
+    Pydantic class. Responses carry `request.generation_stats` (TTFT, reused/recomputed tokens,
+    ...) in `additional_kwargs` and `raw`; when streaming, the last response (empty `delta`)
+    carries it.
 
     Example:
         >>> llm = FusionRAGLLM(store="./fusionrag-data/kv")
@@ -98,30 +80,12 @@ class FusionRAGLLM(CustomLLM):
     store: str | None = Field(
         default=None, description="KV store directory or redis:// URL where chunk caches are looked up by chunk id."
     )
-    max_new_tokens: int = Field(default=64, gt=0, description="Generation budget per call (LLMMetadata.num_output).")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1.0: off).")
-    top_k: int | None = Field(default=None, description="Sample among the k most likely tokens (None/0: off; "
-                              "NOTE: transformers' generate defaults to 50).")
-    min_p: float | None = Field(default=None, description="Drop tokens below min_p x the top token's probability "
-                                "(None: off).")
-    repetition_penalty: float = Field(default=1.0, description="CTRL repetition penalty over prompt and answer "
-                                      "tokens, also when greedy (1.0: off).")
-    seed: int | None = Field(default=None, description="Sampling seed (only matters when temperature > 0).")
-    stop: list[str] = Field(default_factory=list, description="Stop strings (excluded from the text).")
-    selector: str | None = Field(default=None, description="Recompute selector (None: the engine's default).")
-    ratio: float | None = Field(default=None, description="Recompute ratio (None: the engine's default).")
-    learn: bool = Field(default=True, description="Keep the K/V of the query's retrieved nodes found in a prompt "
-                        "without a cache as their caches (reused from the next prompt that holds them).")
-    learned_dir: str | None = Field(default=None, description="Directory of learned caches (None: "
-                                    "./fusionrag-data/learned/<model fingerprint>).")
-    learned_max_bytes: int = Field(default=DEFAULT_MAX_BYTES, gt=0, description="Bound of the learned caches in "
-                                   "bytes; the least recently used go first.")
+    max_new_tokens: int = Field(default=64, description="Generation budget per call (LLMMetadata.num_output).")
 
     _engine: FusionEngine | None = PrivateAttr(default=None)
     _store: KVStore | None = PrivateAttr(default=None)
+    _session: ReuseSession | None = PrivateAttr(default=None)
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
-    _monitor: ReuseMonitor | None = PrivateAttr(default=None)
 
     def __init__(self, *, engine: FusionEngine | None = None, kv_store: KVStore | None = None, **data: Any) -> None:
         """Build the LLM; with `engine=`, the model/device/dtype fields must stay unset (`store` may be set).
@@ -139,7 +103,7 @@ class FusionRAGLLM(CustomLLM):
             InvalidRequestError: an unknown argument or a value the engine refuses, or `engine=`
                 given together with loading options.
         """
-        data = normalize_arguments(data, type(self).model_fields, type(self).__name__, _RENAME)
+        data = normalize_arguments(data, type(self).model_fields, type(self).__name__, type(self).FIELD_NAMES)
         if isinstance(data.get("dtype"), torch.dtype):
             data["dtype"] = str(data["dtype"]).removeprefix("torch.")
         loading = sorted(k for k in ("model", "device", "dtype") if data.get(k) is not None)
@@ -154,7 +118,9 @@ class FusionRAGLLM(CustomLLM):
         super().__init__(**data)
         self._engine = engine
         self._store = kv_store
-        self._options({})  # NOTE: a bad sampling value fails now, with the core's own message
+        # NOTE: built once here so a bad value fails now, with the core's own message.
+        self.request_options({})
+        self.reuse_config()
 
     @classmethod
     def class_name(cls) -> str:
@@ -179,6 +145,20 @@ class FusionRAGLLM(CustomLLM):
                 self._store = open_store(self.store)
         return self._store
 
+    def reuse_session(self) -> ReuseSession:
+        """This LLM's engine, KV store and learned caches, made on first use (loading the model)."""
+        engine, store = self.engine, self.kv_store  # NOTE: before taking the lock: both take it
+        with self._lock:
+            if self._session is None:
+                self._session = ReuseSession(engine, store, self.reuse_config())
+            return self._session
+
+    def with_store(self, store: KVStore) -> FusionRAGLLM:
+        """A copy of this LLM (same settings and engine) that reads chunk caches from `store`."""
+        copy = self.model_copy()
+        copy._store, copy._session, copy._lock = store, None, threading.Lock()
+        return copy
+
     @property
     def metadata(self) -> LLMMetadata:
         """Context window and model name come from the engine (this loads the model)."""
@@ -191,48 +171,6 @@ class FusionRAGLLM(CustomLLM):
             is_chat_model=engine.layout.has_template,
         )
 
-    # ---- where caches come from -------------------------------------------------------------------
-    def reuse_sources(self) -> ReuseSources:
-        """This call's caches: the KV store at `store` (ingested), then learned caches."""
-        return ReuseSources(self.kv_store, self._learned(create=False), learning=self.learn)
-
-    def _learned(self, *, create: bool) -> LearnedCaches | None:
-        """The learned caches, or None when learning is off (or, unless `create`, none exist yet)."""
-        if not self.learn:
-            return None
-        engine = self.engine
-        root = learned_dir(DEFAULT_DATA_DIR, engine.fingerprint)
-        if self.learned_dir:
-            root = Path(self.learned_dir).expanduser()
-        if not create and not (root / "lru.sqlite").exists():
-            return None
-        return open_learned(root, engine.fingerprint, LearnConfig(max_bytes=self.learned_max_bytes))
-
-    def _learn(self, prompt: FusionPrompt, st: Stitched) -> None:
-        learned = self._learned(create=True)
-        if learned is not None and any(prompt.segments[i].learn for i, _ in st.missed):
-            learned.learn(prompt, st)
-
-    def _messages_prompt(self, messages: Sequence[dict[str, str]]) -> FusionPrompt:
-        """Chunks found by mark or content; the query's retrieved nodes (instrumentation) are learnable."""
-        documents = retrieved_texts() if self.learn else []
-        return self.reuse_sources().prompt(self.engine, messages, documents)
-
-    def _finished(self, prompt: FusionPrompt, generation: Generation, sources: KVStore | None) -> dict[str, Any]:
-        """The call's metadata; recorded for the response of the query it belongs to; warns (once)
-        when context was reused nowhere."""
-        meta = generation_metadata(generation)
-        record_call(meta)
-        record(meta)  # NOTE: a streamed query's statistics (its synthesis span has ended by now)
-        if isinstance(sources, ReuseSources):
-            engine = self.engine  # NOTE: before taking the lock: loading takes it too
-            with self._lock:
-                if self._monitor is None:
-                    self._monitor = ReuseMonitor(engine.name)
-                monitor = self._monitor
-            monitor.check(engine, prompt, generation, sources)
-        return meta
-
     def _get_prompt(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
         return super()._get_prompt(prompt, **_as_text(prompt_args))
 
@@ -240,35 +178,10 @@ class FusionRAGLLM(CustomLLM):
         return super()._get_messages(prompt, **_as_text(prompt_args))
 
     # ---- the engine call shared by every entry point --------------------------------------------
-    def stream_prompt(
-        self, prompt: FusionPrompt, *, store: KVStore | None = None, **overrides: Any
-    ) -> GenerationStream:
-        """Run a FusionPrompt with this LLM's sampling and selection settings.
-
-        Args:
-            prompt: from `engine.prompt(...)` or `engine.prompt_from_messages(...)`.
-            store: where to look chunk caches up for this call (default `reuse_sources()`: the
-                store at `kv_store`, then learned caches, which this call may add to).
-            **overrides: any of `GENERATION_KWARGS`, for this call only.
-
-        Raises:
-            InvalidRequestError: an unknown keyword argument.
-        """
-        options = self._options(overrides)
-        learn = None
-        if store is None:
-            store, learn = self.reuse_sources(), self._learn if self.learn else None
-        return options.stream(self.engine, prompt, store=store, learn=learn)
-
-    def _options(self, overrides: dict[str, Any]) -> RequestOptions:
-        """This LLM's settings with one call's `overrides` (and its `response_format`, if any)."""
-        overrides = dict(overrides)
-        response_format = overrides.pop(RESPONSE_FORMAT, None)
-        check_call_options(overrides, GENERATION_KWARGS, owner="FusionRAGLLM",
-                           hint=f" (and {RESPONSE_FORMAT})")
-        values = {**{k: getattr(self, k) for k in GENERATION_KWARGS}, **overrides}
-        values["grammar"] = response_grammar(response_format) if response_format is not None else None
-        return request_options(values)
+    def _answer(self, messages: Sequence[dict[str, str]], overrides: dict[str, Any]) -> Iterator[str | Generation]:
+        """Text pieces, then the Generation; the query's retrieved nodes (instrumentation) are learnable."""
+        options = self.request_options(overrides)
+        return self.reuse_session().answer(messages, options, retrieved_texts())
 
     # ---- structured output -------------------------------------------------------------------------
     # NOTE: LlamaIndex's structured_predict / as_structured_llm run an LLMTextCompletionProgram
@@ -312,7 +225,7 @@ class FusionRAGLLM(CustomLLM):
                                                       **prompt_args)
 
     # ---- completion ------------------------------------------------------------------------------
-    def _completion_prompt(self, prompt: str, formatted: bool) -> FusionPrompt:
+    def _completion_messages(self, prompt: str, formatted: bool) -> list[dict[str, str]]:
         messages: list[dict[str, str]] = []
         if not formatted:
             # NOTE: `formatted=True` means LlamaIndex already applied completion_to_prompt/system_prompt.
@@ -321,7 +234,7 @@ class FusionRAGLLM(CustomLLM):
             if self.system_prompt:
                 messages.append({"role": "system", "content": self.system_prompt})
         messages.append({"role": "user", "content": prompt})
-        return self._messages_prompt(messages)
+        return messages
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -349,21 +262,15 @@ class FusionRAGLLM(CustomLLM):
         return iterate_in_thread(lambda: self._stream_completion(prompt, formatted, kwargs))
 
     def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
-        request = self._completion_prompt(prompt, formatted)
-        stream = self.stream_prompt(request, **kwargs)
-        meta = self._finished(request, stream.collect(), self.reuse_sources())
-        assert stream.result is not None
-        return CompletionResponse(text=clean_output(stream.result.text), additional_kwargs=meta, raw=meta)
+        generation = _last(self._answer(self._completion_messages(prompt, formatted), kwargs))
+        meta = _finished(generation)
+        return CompletionResponse(text=clean_output(generation.text), additional_kwargs=meta, raw=meta)
 
     def _stream_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
-        request = self._completion_prompt(prompt, formatted)
-        stream = self.stream_prompt(request, **kwargs)
-        for text, delta, meta in _accumulate(stream, lambda g: self._finished(request, g, self.reuse_sources())):
+        for text, delta, meta in _accumulate(self._answer(self._completion_messages(prompt, formatted), kwargs)):
             yield CompletionResponse(text=text, delta=delta, additional_kwargs=meta, raw=meta or None)
 
     # ---- chat ------------------------------------------------------------------------------------
-    def _chat_prompt(self, messages: Sequence[ChatMessage]) -> FusionPrompt:
-        return self._messages_prompt([_message_dict(m) for m in messages])
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -386,16 +293,13 @@ class FusionRAGLLM(CustomLLM):
         return iterate_in_thread(lambda: self._stream_chat(messages, kwargs))
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        request = self._chat_prompt(messages)
-        generation = self.stream_prompt(request, **kwargs).collect()
-        meta = self._finished(request, generation, self.reuse_sources())
+        generation = _last(self._answer([_message_dict(m) for m in messages], kwargs))
+        meta = _finished(generation)
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=clean_output(generation.text)),
                             additional_kwargs=meta, raw=meta)
 
     def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
-        request = self._chat_prompt(messages)
-        stream = self.stream_prompt(request, **kwargs)
-        for text, delta, meta in _accumulate(stream, lambda g: self._finished(request, g, self.reuse_sources())):
+        for text, delta, meta in _accumulate(self._answer([_message_dict(m) for m in messages], kwargs)):
             yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
                                additional_kwargs=meta, raw=meta or None)
 
@@ -477,16 +381,31 @@ def _as_text(prompt_args: dict[str, Any]) -> dict[str, Any]:
             for k, v in prompt_args.items()}
 
 
-def _accumulate(stream: GenerationStream,
-                finished: Callable[[Generation], dict[str, Any]]) -> Iterator[tuple[str, str, dict[str, Any]]]:
-    """`(text so far, delta, metadata)` per piece, then a final `(text, "", stats)` once the stream ends."""
-    text = ""
-    for piece in text_pieces(stream):
+def _finished(generation: Generation) -> dict[str, Any]:
+    """A call's statistics, recorded for the response of the query it belongs to."""
+    meta = generation_stats(generation)
+    record_call(meta)
+    record(meta)  # NOTE: a streamed query's statistics (its synthesis span has ended by now)
+    return meta
+
+
+def _last(pieces: Iterator[str | Generation]) -> Generation:
+    """The finished Generation at the end of `ReuseSession.run`'s pieces."""
+    for piece in pieces:
         if isinstance(piece, Generation):
-            yield text, "", finished(piece)
+            return piece
+    raise AssertionError("ReuseSession.run ends with the Generation")
+
+
+def _accumulate(pieces: Iterator[str | Generation]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """`(text so far, delta, metadata)` per piece, then a final `(text, "", stats)` once generation ends."""
+    text = ""
+    for piece in pieces:
+        if isinstance(piece, Generation):
+            yield text, "", _finished(piece)
         else:
             text += piece
             yield text, piece, {}
 
 
-__all__ = ["GENERATION_KWARGS", "FusionRAGLLM", "clean_output", "generation_metadata"]
+__all__ = ["FusionRAGLLM"]

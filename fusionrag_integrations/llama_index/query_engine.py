@@ -72,8 +72,7 @@ class FusionRAGQueryEngine(RetrieverQueryEngine):
         if llm is None:
             llm = FusionRAGLLM(engine=index.engine, kv_store=index.store)
         elif llm.kv_store is None:
-            llm = llm.model_copy()
-            llm._store = index.store  # NOTE: a copy: the caller's LLM keeps reading nothing
+            llm = llm.with_store(index.store)  # NOTE: a copy: the caller's LLM keeps reading nothing
         return cls.from_retriever(FusionRAGRetriever.from_index(index, similarity_top_k=similarity_top_k), llm,
                                   **kwargs)
 

@@ -11,7 +11,7 @@ model. For every node it sees it:
    and embedder never see: the entry format a `FusionIndex` writes (`fusionrag_core.ingest.records`),
    so the collection is read by FusionIndex, the LangChain retriever and the CLI too;
 3. stores the chunk's independent cache and, with `fuse`, its fused cache: prefilled after its
-   `neighbors` most similar chunks of the batch (the FusionRAG offline step). Chunks already
+   `neighbours` most similar chunks of the batch (the FusionRAG offline step). Chunks already
    cached are skipped, so re-running a pipeline costs no model passes.
 
 Caches are computed on `node.get_content(metadata_mode=MetadataMode.NONE)`, the text
@@ -33,7 +33,7 @@ from llama_index.core.utils import get_tqdm_iterable
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import FusionRAGError, InvalidRequestError
 from fusionrag_core.ingest.chunking import ChunkingConfig, chunk_id
-from fusionrag_core.ingest.config import IngestConfig, NeighbourOrder
+from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_core.ingest.fusion import CacheBuilder, Neighbours, batch_neighbours, rank_neighbours
 from fusionrag_core.ingest.records import CHUNK_ID_KEY, RESERVED_KEYS, fusion_state
 from fusionrag_core.recognise.content_index import index_content
@@ -53,8 +53,8 @@ record), hidden from the LLM and the embedder."""
 class FusionKVTransform(TransformComponent):
     """Builds and stores the KV caches of the nodes an `IngestionPipeline` feeds it.
 
-    Fusion follows `fusionrag_core.ingest.ingestor`: `neighbors`, `fuse` and `neighbour_order` mean what
-    they mean in `IngestConfig`; chunk size and overlap are the node parser's business here.
+    Fusion follows `fusionrag_core.ingest.ingestor`: `neighbours` and `fuse` mean what they mean in
+    `IngestConfig`; chunk size and overlap are the node parser's business here.
 
     Example:
         >>> pipeline = IngestionPipeline(
@@ -68,11 +68,9 @@ class FusionKVTransform(TransformComponent):
     (run the pipeline with `disable_cache=True` then).
     """
 
-    neighbors: int = Field(default=IngestConfig.neighbors, description="How many most similar chunks of the batch "
-                           "a fused cache is prefilled after.")
+    neighbours: int = Field(default=IngestConfig.neighbours, description="How many most similar chunks of the "
+                            "batch a fused cache is prefilled after (the most similar one last).")
     fuse: bool = Field(default=IngestConfig.fuse, description="Build fused caches (else independent ones only).")
-    neighbour_order: NeighbourOrder = Field(default=IngestConfig.neighbour_order,
-                                            description="Where the most similar neighbour goes (see IngestConfig).")
 
     _engine: FusionEngine | FusionRAGLLM = PrivateAttr()
     _store: KVStore | None = PrivateAttr(default=None)
@@ -95,7 +93,7 @@ class FusionKVTransform(TransformComponent):
                 build the transform with `from_index` (its store and settings).
             embed_model: ranks neighbours of nodes that carry no embedding yet (default
                 FusionRAGEmbedding; put the embed model before this step to embed only once).
-            **data: `neighbors`, `fuse`, `neighbour_order`.
+            **data: `neighbours`, `fuse`.
 
         Raises:
             InvalidRequestError: invalid fusion settings.
@@ -120,8 +118,8 @@ class FusionKVTransform(TransformComponent):
             embed_model: as `FusionKVTransform(...)`.
         """
         config = index.config
-        return cls(index.engine, store=index.store, embed_model=embed_model, neighbors=config.neighbors,
-                   fuse=config.fuse, neighbour_order=config.neighbour_order)
+        return cls(index.engine, store=index.store, embed_model=embed_model, neighbours=config.neighbours,
+                   fuse=config.fuse)
 
     @classmethod
     def class_name(cls) -> str:
@@ -163,11 +161,11 @@ class FusionKVTransform(TransformComponent):
         # NOTE: every kept node, cached now or before: the standard query engine's prompts then find
         # the chunks by their text (recognise.py), with no marker in the pipeline.
         index_content(store, [(node.node_id, _chunk_text(node)) for node in kept])
-        fused = self.fuse and self.neighbors > 0
+        fused = self.fuse and self.neighbours > 0
         todo = [node for node in kept if not store.has(node.node_id, "fused" if fused else "independent")]
         neighbours = self._neighbours(kept, kept) if fused else {}
         for node in kept:
-            _tag(node, neighbours.get(node.node_id), self.neighbors)
+            _tag(node, neighbours.get(node.node_id), self.neighbours)
         progress = bool(kwargs.get("show_progress", False))
         texts_by_id = {node.node_id: _chunk_text(node) for node in kept}
         config = self._ingest_config()
@@ -189,10 +187,10 @@ class FusionKVTransform(TransformComponent):
         return kept
 
     def _ingest_config(self) -> IngestConfig:
-        return IngestConfig(neighbors=self.neighbors, fuse=self.fuse, neighbour_order=self.neighbour_order)
+        return IngestConfig(neighbours=self.neighbours, fuse=self.fuse)
 
     def _neighbours(self, nodes: list[BaseNode], todo: list[BaseNode]) -> dict[str, list[tuple[str, float]]]:
-        """For each node of `todo`, its `neighbors` most similar other nodes of the batch, nearest first."""
+        """For each node of `todo`, its `neighbours` most similar other nodes of the batch, nearest first."""
         vectors: Sequence[Sequence[float] | None] = [node.embedding for node in nodes]
         if any(v is None for v in vectors):
             # NOTE: all from one model or none: embeddings of two models are not comparable.
@@ -201,8 +199,8 @@ class FusionKVTransform(TransformComponent):
         emb /= np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
         ids = [node.node_id for node in nodes]
         position = {cid: i for i, cid in enumerate(ids)}
-        found = batch_neighbours(emb, ids, [position[node.node_id] for node in todo], self.neighbors)
-        return {node.node_id: rank_neighbours(hits, self.neighbors) for node, hits in zip(todo, found, strict=True)}
+        found = batch_neighbours(emb, ids, [position[node.node_id] for node in todo], self.neighbours)
+        return {node.node_id: rank_neighbours(hits, self.neighbours) for node, hits in zip(todo, found, strict=True)}
 
 
 # NOTE: LlamaIndex's node parser, not ours, cut these chunks; the default ChunkingConfig stands in

@@ -1,0 +1,149 @@
+"""One model's cache reuse, the same for the LangChain and the LlamaIndex models.
+
+A framework model translates its framework's messages and options (messages in, responses out,
+callbacks), then hands the request to its `ReuseSession`, which owns everything else:
+
+* where caches come from: the model's KV store (ingested), then its learned caches (`sources`);
+* the prompt: stored chunks found by mark or content, retrieved texts made learnable (`prompt`);
+* the engine call: text pieces, the learned K/V of retrieved chunks that had no cache, and one
+  warning per model when a request with context reused nothing (`run`; `answer` is both steps).
+
+Learned caches live in `ReuseConfig.root`: `learned_dir` if given, else
+`<data_dir>/learned/<model fingerprint>` (`fusionrag_core.paths.learned_dir`), `data_dir`
+defaulting to the bound `FusionIndex`'s data directory, else `DEFAULT_DATA_DIR`: the same rule in
+both frameworks.
+
+Many threads share one session (and its engine): a request's values (options, sources, prompt)
+travel as arguments and locals, never as attributes; only texts and JSON-friendly statistics
+leave through framework metadata, never tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from fusionrag_core.engine import FusionEngine, Generation
+from fusionrag_core.paths import DEFAULT_DATA_DIR, learned_dir
+from fusionrag_core.query.prompt import FusionPrompt
+from fusionrag_core.query.stitch import Stitched
+from fusionrag_core.recognise.marks import clean_output
+from fusionrag_core.reuse.learned import DEFAULT_MAX_BYTES, LearnConfig, LearnedCaches, open_learned
+from fusionrag_core.reuse.sources import ReuseMonitor, ReuseSources
+from fusionrag_core.store import KVStore
+from fusionrag_integrations.request import RequestOptions
+
+
+@dataclass(frozen=True)
+class ReuseConfig:
+    """Whether and where a model learns caches from its requests.
+
+    Attributes:
+        learn: keep the K/V of retrieved documents found in a prompt without a cache as their
+            caches, reused from the next prompt that holds them.
+        data_dir: data directory whose `learned/<model fingerprint>` holds the learned caches.
+        learned_dir: the learned caches' own directory instead (None: under `data_dir`).
+        max_bytes: bound of the learned caches in bytes; the least recently used go first.
+
+    Raises:
+        InvalidRequestError: `max_bytes` below 1.
+    """
+
+    learn: bool = True
+    data_dir: str | Path = DEFAULT_DATA_DIR
+    learned_dir: str | Path | None = None
+    max_bytes: int = DEFAULT_MAX_BYTES
+
+    def __post_init__(self) -> None:
+        LearnConfig(max_bytes=self.max_bytes)  # NOTE: the core's bound check, at construction
+
+    def root(self, fingerprint: str) -> Path:
+        """The directory of the learned caches of the model `fingerprint`."""
+        if self.learned_dir:  # NOTE: "" counts as unset, like None
+            return Path(self.learned_dir).expanduser()
+        return learned_dir(self.data_dir, fingerprint)
+
+
+class ReuseSession:
+    """The reuse of one model instance: its engine, KV store, learned caches and reuse monitor.
+
+    Thread-safe and shared by every request of the model; it holds no per-request state.
+
+    Args:
+        engine: the engine that answers.
+        store: KV store of ingested chunk caches (None: only learned caches are reused).
+        config: learning on or off, and where learned caches live.
+    """
+
+    def __init__(self, engine: FusionEngine, store: KVStore | None, config: ReuseConfig | None = None) -> None:
+        self.engine = engine
+        self.store = store
+        self.config = config or ReuseConfig()
+        self.monitor = ReuseMonitor(engine.name)
+
+    @property
+    def learned_root(self) -> Path:
+        """Where this session's learned caches live (see `ReuseConfig.root`)."""
+        return self.config.root(self.engine.fingerprint)
+
+    def learned(self, *, create: bool = False) -> LearnedCaches | None:
+        """The learned caches; None when learning is off or, unless `create`, none exist yet."""
+        if not self.config.learn:
+            return None
+        root = self.learned_root
+        if not create and not (root / "lru.sqlite").exists():
+            return None
+        return open_learned(root, self.engine.fingerprint, LearnConfig(max_bytes=self.config.max_bytes))
+
+    def sources(self, options: RequestOptions) -> ReuseSources:
+        """Where a request with `options` reads caches: the KV store, then the learned caches.
+
+        A full-attention request reads none and learns nothing.
+        """
+        return ReuseSources(self.store, self.learned(), learning=self.config.learn and not options.full_attention)
+
+    def prompt(self, messages: Sequence[Mapping[str, str]], sources: ReuseSources,
+               retrieved: Sequence[str] = ()) -> FusionPrompt:
+        """`messages` as a FusionPrompt: chunks found in `sources` by mark or content; `retrieved`
+        texts (the documents retrieved for this request) become learnable chunks where they occur."""
+        return sources.prompt(self.engine, messages, retrieved)
+
+    def answer(self, messages: Sequence[Mapping[str, str]], options: RequestOptions,
+               retrieved: Sequence[str] = ()) -> Iterator[str | Generation]:
+        """Answer `messages`: `prompt`, then `run`, both with this request's `sources(options)`."""
+        sources = self.sources(options)
+        return self.run(self.prompt(messages, sources, retrieved), options, sources)
+
+    def run(self, prompt: FusionPrompt, options: RequestOptions,
+            sources: ReuseSources | None = None) -> Iterator[str | Generation]:
+        """Generate `prompt`: non-empty text pieces (mark characters removed), then the Generation.
+
+        Learnable chunks without a usable cache are kept as learned caches; a request with
+        context that reuses nothing logs one warning per session (`fusionrag_core.reuse.sources`).
+
+        Args:
+            prompt: from `prompt`, or the engine's `prompt(...)` (a canonical prompt of chunks by id).
+            options: this request's options.
+            sources: this request's sources (default: `sources(options)`).
+        """
+        sources = sources if sources is not None else self.sources(options)
+        stream = options.stream(self.engine, prompt, store=sources, learn=self._learn if sources.learning else None)
+        for piece in stream:
+            text = clean_output(piece)
+            if text:
+                yield text
+        generation = stream.result
+        assert generation is not None  # NOTE: set by GenerationStream once exhausted
+        if not options.full_attention:
+            self.monitor.check(self.engine, prompt, generation, sources)
+        yield generation
+
+    def _learn(self, prompt: FusionPrompt, st: Stitched) -> None:
+        # NOTE: the engine calls this once decoding ends, in the request's own thread.
+        learned = self.learned(create=True)
+        if learned is not None and any(prompt.segments[i].learn for i, _ in st.missed):
+            learned.learn(prompt, st)
+
+
+__all__ = ["ReuseConfig", "ReuseSession"]
