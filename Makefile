@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # A CPU build of torch unless an NVIDIA driver is present (an unpinned torch pulls a multi-GB CUDA build).
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+# The suite runs on every core (pytest-xdist); PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= auto
 PYTEST_ARGS ?=
 
 .PHONY: install demo test lint clean
@@ -26,7 +28,7 @@ test: install
 	bash scripts/ensure_servers.sh
 	$(PY) -m ruff check fusionrag_core fusionrag_integrations tests benchmarks
 	$(PY) -m mypy
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 lint: install
 	$(PY) -m ruff check fusionrag_core fusionrag_integrations tests benchmarks
