@@ -32,7 +32,8 @@ from fusionrag_integrations.langchain.structured import BIND_TOOLS_MESSAGE, Meth
 
 
 class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
-    """Chat model over a FusionEngine: chunk caches found by id in the prompt are reused.
+    """Chat model over a FusionEngine: the caches of chunks the prompt holds (found by mark or by
+    content, or learned from an earlier prompt) are reused.
 
     Construction is cheap: weights load on first use (or pass an already loaded `engine=` or an
     `index=`). With no arguments it answers with the packaged SmolLM2-135M-Instruct and looks

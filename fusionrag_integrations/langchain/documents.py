@@ -36,7 +36,7 @@ def format_docs(docs: Sequence[Document]) -> str:
     in `chunk_found_by`; a text that matches none stays a reported cache miss under its id.
 
     NOTE: the marks are private-use characters read by ChatFusionRAG / FusionRAGLLM; for any other
-    model remove them with `fusionrag_core.query.prompt.strip_marks`.
+    model remove them with `fusionrag_core.strip_marks`.
 
     NOTE: a document's text may hold any characters, mark characters included: a mark records
     its text's length and a MAC, so nothing inside a document can end or forge a mark.

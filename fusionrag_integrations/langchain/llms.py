@@ -17,7 +17,8 @@ from fusionrag_integrations.langchain.messages import to_chat_dicts
 
 
 class FusionRAGLLM(FusionRAGModelFields, LLM):
-    """Text-completion model over a FusionEngine; chunk caches found by id in the prompt are reused.
+    """Text-completion model over a FusionEngine; the caches of chunks the prompt holds (found by mark
+    or by content, or learned from an earlier prompt) are reused.
 
     The prompt string is sent as one user turn of the model's chat template (as Ollama's generate
     endpoint does): the supported models are instruction-tuned and answer only inside their template.

@@ -2,7 +2,7 @@
 
 Messages become the role/content dicts that `FusionEngine.prompt_from_messages` renders with the
 model's chat template; stored chunks are found there by content, or by the marks of
-`fusionrag_core.query.prompt.mark_chunk` (see `format_docs`). Mark characters never leave in output text.
+`fusionrag_core.mark_chunk` (see `format_docs`). Mark characters never leave in output text.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ and ingestion interfaces.
 * `FusionRAGQueryEngine`: retrieve, then answer with fused-cache reuse and query-guided recompute.
 * `FusionChunkMarker` + `fusion_text_qa_template`: reuse through the standard response synthesizer.
 
-See README.md in this directory for which path gets reuse and why.
+See docs/integrations/llama_index.md for which path gets reuse and why.
 """
 
 from fusionrag_integrations.llama_index.embedding import FusionRAGEmbedding

@@ -56,7 +56,8 @@ Model = TypeVar("Model", bound=BaseModel)
 
 
 class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
-    """A LlamaIndex LLM that reuses chunk KV caches (FusionRAG) for chunks marked in its prompts.
+    """A LlamaIndex LLM that reuses chunk KV caches (FusionRAG) for the chunks its prompts hold: found by
+    mark or by content, or learned from an earlier prompt that held them.
 
     The model loads lazily on first use (construction is cheap), or pass a built `engine=`.
     Constructor names follow `HuggingFaceLLM` (`model_name`, `device_map`, `generate_kwargs`, ...;

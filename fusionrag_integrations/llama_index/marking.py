@@ -2,7 +2,7 @@
 
 The standard synthesizer (`index.as_query_engine(...)`) formats node texts into one QA prompt
 string, so the LLM sees no chunk ids. `FusionChunkMarker`, a node postprocessor, wraps each node's
-text in `fusionrag_core.query.prompt.mark_chunk(node_id, text)`; `FusionRAGLLM` hands the flattened
+text in `fusionrag_core.mark_chunk(node_id, text)`; `FusionRAGLLM` hands the flattened
 prompt to `FusionEngine.prompt_from_messages`, which finds the marks and reuses the caches stored
 under those ids. `fusion_text_qa_template` lays the QA prompt out like the canonical FusionRAG
 prompt (same system instruction as at ingest), so the reused caches see the prefix they were
@@ -35,7 +35,7 @@ class FusionChunkMarker(BaseNodePostprocessor):
     """Marks each retrieved node's text with its node id (the chunk id caches are stored under).
 
     Returns copies: the retriever's nodes are left untouched, but the response's `source_nodes` hold
-    the marked copies (`fusionrag_core.query.prompt.strip_marks(node.text)` gives the plain text back).
+    the marked copies (`fusionrag_core.strip_marks(node.text)` gives the plain text back).
     Metadata the node shows the LLM stays outside the mark, as plain text.
     """
 
