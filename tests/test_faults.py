@@ -310,7 +310,7 @@ def test_cli_delete_and_ingest_sync(engine: FusionEngine, tmp_path: Path, capsys
     assert index.verify(repair=False).ok and index.store.list_ids() == set(index.collection.get()["ids"])
 
 
-# ---- defect 9: the resource guard in ingest -----------------------------------------------------
+# ---- defect 9: the disk-space check in ingest ----------------------------------------------------
 def test_an_ingest_too_large_for_the_store_is_refused_before_writing(
     engine: FusionEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

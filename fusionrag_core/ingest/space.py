@@ -1,4 +1,4 @@
-"""Resource guard: what an ingest will write, checked against the room the KV store has left.
+"""Disk-space check: what an ingest will write, checked against the room the KV store has left.
 
 A chunk's cache is `2 (K and V) x layers x kv_heads x head_dim x tokens` values in the storage
 dtype, per variant: ~5.6 MB per 256-token chunk per variant for SmolLM2-135M in float16, so a

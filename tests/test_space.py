@@ -1,4 +1,4 @@
-"""Resource guard (issue #12, defect 9): projected cache size, free-space check, chunking progress."""
+"""The disk-space check of ingest: projected cache size, free-space check, chunking progress."""
 
 from __future__ import annotations
 
