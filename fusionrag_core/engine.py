@@ -38,7 +38,7 @@ from fusionrag_core.query.select import SelectConfig, get_selector
 from fusionrag_core.query.selectors import DEFAULT_SELECTOR
 from fusionrag_core.query.stitch import CacheLookup, CacheMiss, Stitched, prefetch, stitch
 from fusionrag_core.recognise.content_index import Match
-from fusionrag_core.runtime import loading as model_lib
+from fusionrag_core.runtime import loading
 from fusionrag_core.runtime.decoder import Decoder
 from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.store.codec import is_storable_chunk_id
@@ -265,8 +265,8 @@ class FusionEngine:
         self.decoder = Decoder(model, compile_decode=self.config.compile_decode,
                                packed_linears=self.config.packed_linears)
         self.layout = PromptLayout(tokenizer)
-        self.fingerprint = model_lib.fingerprint(model)
-        self.context_window = model_lib.context_window(model)
+        self.fingerprint = loading.fingerprint(model)
+        self.context_window = loading.context_window(model)
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         self._prefix_lock = threading.Lock()  # integrations serve requests from several threads
         self._bad_blobs = BadBlobs()
@@ -295,7 +295,7 @@ class FusionEngine:
             dtype: default bf16 on GPU, fp32 on CPU.
             config: query defaults.
         """
-        hf_model, tokenizer, source = model_lib.load(model, device=device, dtype=dtype)
+        hf_model, tokenizer, source = loading.load(model, device=device, dtype=dtype)
         return cls(hf_model, tokenizer, name=source.name, config=config)
 
     @property
