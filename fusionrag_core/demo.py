@@ -18,14 +18,14 @@ import argparse
 import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fusionrag_core.cli import Command, open_index, positive_int, where
 
 if TYPE_CHECKING:
-    from fusionrag_core.engine import FusionEngine, Generation
+    from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
     from fusionrag_core.index import FusionIndex
-    from fusionrag_core.ingest.chroma import RetrievedChunk
+    from fusionrag_core.query.prompt import FusionPrompt
     from fusionrag_core.query.sampling import SamplingConfig
 
 WIDTH = 100
@@ -87,36 +87,37 @@ class Comparison:
         return self.full.generation.ttft_s / self.fusion.generation.ttft_s
 
 
-# A method of the chain: (question, retrieved documents, max_tokens or None for the default) -> Answer.
-Ask = Callable[[str, Sequence[Any], "int | None"], Answer]
+# One way to answer: (prompt, max_tokens or None for the demo's default) -> Answer.
+Ask = Callable[["FusionPrompt", "int | None"], Answer]
 
 
 @dataclass(frozen=True)
-class Chains:
-    """What the demo runs: a retriever and the two ways to answer."""
+class Methods:
+    """What the demo runs: the prompt of a question over its retrieved chunks, and the two ways
+    to answer it."""
 
-    retrieve: Callable[[str], list[Any]]
+    prompt: Callable[[str], FusionPrompt]
     fusion: Ask
     full: Ask
 
 
-def compare(chains: Chains, question: str, *, fusion_first: bool) -> Comparison:
-    """Retrieve once, then answer with both methods back to back, in the order asked for: the
-    caller alternates it, so load noise and whatever the first call leaves warm fall on both."""
-    docs = chains.retrieve(question)
+def compare(methods: Methods, question: str, *, fusion_first: bool) -> Comparison:
+    """Build the question's prompt once, then answer it with both methods back to back, in the
+    order asked for: the caller alternates it, so load noise and whatever the first call leaves
+    warm fall on both."""
+    prompt = methods.prompt(question)
     if fusion_first:
-        fusion = chains.fusion(question, docs, None)
-        full = chains.full(question, docs, None)
+        fusion = methods.fusion(prompt, None)
+        full = methods.full(prompt, None)
     else:
-        full = chains.full(question, docs, None)
-        fusion = chains.fusion(question, docs, None)
+        full = methods.full(prompt, None)
+        fusion = methods.fusion(prompt, None)
     return Comparison(question, fusion, full)
 
 
 # ---- running ----------------------------------------------------------------------------------------
 def run(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
-    """`fusionrag demo`: ingest the sample corpus, answer its questions with FusionRAG and full attention.
-    """
+    """`fusionrag demo`: ingest the sample corpus, answer its questions with FusionRAG and full attention."""
     from fusionrag_core.data import load_sample_questions, sample_corpus_dir
 
     files = sorted(sample_corpus_dir().glob("*.md"))
@@ -128,16 +129,16 @@ def run(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequ
                              doc_ids=[f"fusionrag-sample/{f.name}" for f in files], progress=True)
     print(f"  {report.new_chunks} new chunk(s), {report.skipped_chunks} already there, in {report.seconds:.1f} s\n")
 
-    chains = _methods(index, args)
+    methods = _methods(index, args)
     # NOTE: untimed warm-up of both methods: the first generation of a process pays one-time costs
     # (lazy imports, allocator growth, weight packing) that no question should be charged with.
-    warm_docs = chains.retrieve(questions[0].question)
-    warm = chains.fusion(questions[0].question, warm_docs, 1).generation
-    chains.full(questions[0].question, warm_docs, 1)
+    warm_prompt = methods.prompt(questions[0].question)
+    warm = methods.fusion(warm_prompt, 1).generation
+    methods.full(warm_prompt, 1)
     print(_preamble(len(questions), args, warm), flush=True)
     rows: list[Comparison] = []
     for i, q in enumerate(questions, 1):
-        rows.append(compare(chains, q.question, fusion_first=i % 2 == 1))
+        rows.append(compare(methods, q.question, fusion_first=i % 2 == 1))
         print(question_block(i, rows[-1]), flush=True)
     print(summary(rows, packaged=packaged_model(args.model)))
     return 0
@@ -150,27 +151,24 @@ def packaged_model(model: str | None) -> bool:
     return (model or DEFAULT_MODEL) == DEFAULT_MODEL
 
 
-def _methods(index: FusionIndex, args: argparse.Namespace) -> Chains:
-    """The demo's retriever and its two ways to answer, on `index`: both build the same canonical
-    prompt over the same retrieved chunks; FusionRAG reuses their stored caches, full attention
-    prefills all of it."""
+def _methods(index: FusionIndex, args: argparse.Namespace) -> Methods:
+    """The demo's methods on `index`: the canonical prompt over the `-k` chunks retrieved for a
+    question; FusionRAG reuses their stored caches, full attention prefills all of it."""
     from fusionrag_core.query.sampling import SamplingConfig  # NOTE: here: `fusionrag --help` loads no torch
-
-    engine = index.engine
 
     def sampling(max_tokens: int | None) -> SamplingConfig:
         return SamplingConfig(max_new_tokens=max_tokens or args.max_tokens, stop=("\n",))
 
-    def fusion(question: str, chunks: Sequence[RetrievedChunk], max_tokens: int | None) -> Answer:
-        generation = index.stream(index.prompt_for(question, chunks), sampling=sampling(max_tokens),
-                                  selector=args.selector, ratio=args.ratio).collect()
+    def answer(stream: GenerationStream) -> Answer:
+        generation = stream.collect()
         return Answer(generation.text.strip(), generation)
 
-    def full(question: str, chunks: Sequence[RetrievedChunk], max_tokens: int | None) -> Answer:
-        generation = engine.full_attention(index.prompt_for(question, chunks), sampling=sampling(max_tokens)).collect()
-        return Answer(generation.text.strip(), generation)
-
-    return Chains(retrieve=lambda question: index.search(question, args.k), fusion=fusion, full=full)
+    return Methods(
+        prompt=lambda question: index.prompt_for(question, index.search(question, args.k)),
+        fusion=lambda prompt, max_tokens: answer(index.stream(prompt, sampling=sampling(max_tokens),
+                                                              selector=args.selector, ratio=args.ratio)),
+        full=lambda prompt, max_tokens: answer(index.engine.full_attention(prompt, sampling=sampling(max_tokens))),
+    )
 
 
 # ---- printing -----------------------------------------------------------------------------------
@@ -264,5 +262,5 @@ COMMAND = Command(
     run=run,
 )
 
-__all__ = ["COMMAND", "Answer", "Chains", "Comparison", "add_arguments", "compare", "packaged_model", "question_block",
+__all__ = ["COMMAND", "Answer", "Comparison", "Methods", "add_arguments", "compare", "packaged_model", "question_block",
            "run", "summary"]

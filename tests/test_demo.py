@@ -73,9 +73,9 @@ def check_demo_run(
         rows.extend(found)
         return summary(found, packaged=packaged)
 
-    def keep_order(chains: demo.Chains, question: str, *, fusion_first: bool) -> Comparison:
+    def keep_order(methods: demo.Methods, question: str, *, fusion_first: bool) -> Comparison:
         order.append(fusion_first)
-        return compare(chains, question, fusion_first=fusion_first)
+        return compare(methods, question, fusion_first=fusion_first)
 
     monkeypatch.setattr(demo, "summary", keep_rows)
     monkeypatch.setattr(demo, "compare", keep_order)
