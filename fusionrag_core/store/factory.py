@@ -6,6 +6,7 @@ from pathlib import Path
 
 from fusionrag_core.store.base import KVStore
 from fusionrag_core.store.codec import StorageDType
+from fusionrag_core.store.disk import DiskKVStore
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -27,9 +28,7 @@ def open_store(
         A `RedisKVStore` or `DiskKVStore`.
     """
     if isinstance(url_or_path, str) and url_or_path.startswith(_REDIS_SCHEMES):
-        from fusionrag_core.store.redis import RedisKVStore
+        from fusionrag_core.store.redis import RedisKVStore  # NOTE: lazily: `redis` is an optional extra
 
         return RedisKVStore(url_or_path, namespace=namespace, storage_dtype=storage_dtype)
-    from fusionrag_core.store.disk import DiskKVStore
-
     return DiskKVStore(Path(url_or_path), storage_dtype=storage_dtype)
