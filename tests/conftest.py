@@ -25,6 +25,18 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def empty_working_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every test runs in an empty directory: a model built without a data dir keeps its learned
+    caches in `./fusionrag-data`, which must be neither the developer's corpus nor the repository.
+    (Subprocesses that import `tests` run with `cwd=` the repository.)"""
+    before = Path.cwd()
+    here = tmp_path_factory.mktemp("cwd")
+    os.chdir(here)
+    yield here
+    os.chdir(before)
+
+
 @pytest.fixture(scope="session")
 def default_engine() -> Iterator[FusionEngine]:
     """The packaged SmolLM2-135M-Instruct, fp32 on CPU. Tests must not leave a store attached."""

@@ -252,10 +252,14 @@ def test_ray_needs_a_shared_store() -> None:
 
 
 def test_cli_ingest_on_a_local_ray_cluster(engine: FusionEngine, docs: list[str], tok_path: str, tmp_path: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+                                           capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
 
     from fusionrag_core.cli import main
+
+    # NOTE: the cluster `--ray local` starts has its workers import from the driver's working
+    # directory, and they import `tests.ingest_worker` (the engine factory).
+    monkeypatch.chdir(REPO_ROOT)
 
     if ray.is_initialized():
         ray.shutdown()  # NOTE: `--ray local` starts (and stops) its own cluster.
