@@ -16,9 +16,11 @@ and argument errors answer at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -130,7 +132,9 @@ def main(
     factory = engine_factory or load_engine
     spec = EngineSpec(args.model, args.device, args.dtype)
     try:
-        code: int = args.handler(args, lambda: factory(spec), args_list)
+        with contextlib.ExitStack() as opened:
+            args.opened = opened  # NOTE: what the command opens (`open_index`) is closed when it ends.
+            code: int = args.handler(args, lambda: factory(spec), args_list)
         return code
     except (FusionRAGError, OSError) as e:  # NOTE: OSError: unreadable files, a --db that cannot be written...
         _fail(e)
@@ -282,6 +286,9 @@ def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentP
                         help="CPUs (torch threads) per Ray actor (default: 1)")
     ingest.add_argument("--sync", action="store_true",
                         help="also remove documents ingested from these folders/files that no longer exist there")
+    ingest.add_argument("--strict", action="store_true",
+                        help="fail on a file that would be skipped (empty, not UTF-8 text, an unreadable PDF, a PDF "
+                             "without pypdf) instead of skipping it")
     ingest.add_argument("--no-space-check", action="store_true",
                         help="go on even when the projected caches do not fit the store's free space")
     ingest.set_defaults(handler=cmd_ingest)
@@ -383,10 +390,14 @@ def _require_index(args: argparse.Namespace) -> None:
 
 
 def open_index(args: argparse.Namespace, engine: FusionEngine, config: IngestConfig | None = None) -> FusionIndex:
+    """The index the global options name; closed when the command ends (under `main`; other callers
+    close it themselves)."""
     from fusionrag_core.index import FusionIndex
 
-    return FusionIndex.open(engine, Path(args.db).expanduser(), chroma_url=args.chroma_url, redis_url=args.redis_url,
-                            collection_name=args.collection, config=config, writer_wait_s=args.wait)
+    index = FusionIndex.open(engine, Path(args.db).expanduser(), chroma_url=args.chroma_url, redis_url=args.redis_url,
+                             collection_name=args.collection, config=config, writer_wait_s=args.wait)
+    opened: contextlib.ExitStack | None = getattr(args, "opened", None)
+    return index if opened is None else opened.enter_context(index)
 
 
 def _source(chunk: RetrievedChunk) -> str:
@@ -413,12 +424,24 @@ def _pdf_available() -> bool:
     return importlib.util.find_spec("pypdf") is not None
 
 
-def collect_files(paths: Sequence[str]) -> list[Path]:
+def document_path(path: Path) -> Path:
+    """The name a file is indexed under: its absolute path as given, symlinks not followed (so the
+    document of a link is the link's, and goes when the link goes), `.` and `..` collapsed unless
+    that would name another file (`link/..` is the link target's parent)."""
+    absolute = path.expanduser().absolute()
+    normal = Path(os.path.normpath(absolute))
+    if normal == absolute or (normal.exists() and absolute.exists() and os.path.samefile(normal, absolute)):
+        return normal
+    return absolute
+
+
+def collect_files(paths: Sequence[str], *, strict: bool = False) -> list[Path]:
     """The documents named by `paths`: files as given, folders searched recursively for .txt/.md (and
-    .pdf when pypdf is installed), sorted, each once.
+    .pdf when pypdf is installed), sorted, each once, by their `document_path`.
 
     Raises:
-        InvalidRequestError: a path does not exist, a file has an unsupported type, or nothing was found.
+        InvalidRequestError: a path does not exist, a file has an unsupported type, or nothing was found;
+            with `strict`, a folder holds .pdf files and pypdf is missing.
     """
     found: list[Path] = []
     skipped_pdfs = 0
@@ -440,26 +463,80 @@ def collect_files(paths: Sequence[str]) -> list[Path]:
             found.append(path)
         else:
             raise InvalidRequestError(f"{path} does not exist; pass existing files or folders")
+    if skipped_pdfs and strict:
+        raise InvalidRequestError(f"{skipped_pdfs} .pdf file(s) found need pypdf: pip install pypdf, or leave out "
+                                  "--strict to skip them")
     if skipped_pdfs:
         print(f"{PROG}: skipping {skipped_pdfs} .pdf file(s): pip install pypdf to ingest PDFs", file=sys.stderr)
-    unique = list(dict.fromkeys(p.resolve() for p in found))
+    unique = list(dict.fromkeys(document_path(p) for p in found))
     if not unique:
         raise InvalidRequestError(f"no .txt or .md files found in {', '.join(paths)}")
     return unique
+
+
+class UnreadableDocumentError(InvalidRequestError):
+    """A document file whose text cannot be read: not UTF-8 text, or a PDF pypdf cannot parse.
+
+    Attributes:
+        kind: what is wrong, in a few words ("not UTF-8 text", "unreadable PDF").
+    """
+
+    def __init__(self, path: Path, kind: str, detail: str, fix: str) -> None:
+        super().__init__(f"{path}: {kind} ({detail}); {fix}")
+        self.kind = kind
 
 
 def read_document(path: Path) -> str:
     """The text of a .txt/.md (UTF-8) or .pdf file.
 
     Raises:
-        InvalidRequestError: the file is not UTF-8 text, or is a PDF and pypdf is missing or fails.
+        UnreadableDocumentError: the file is not UTF-8 text, or is a PDF pypdf fails on.
+        InvalidRequestError: the file is a PDF and pypdf is missing.
     """
     if path.suffix.lower() == PDF_SUFFIX:
         return _pdf_text(path)
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise InvalidRequestError(f"{path} is not UTF-8 text ({e.reason}); convert it to UTF-8 first") from e
+        raise UnreadableDocumentError(path, "not UTF-8 text", f"byte 0x{e.object[e.start]:02x} at offset {e.start}: "
+                                      f"{e.reason}", "convert it to UTF-8 to ingest it") from e
+
+
+def read_documents(files: Sequence[Path], *, strict: bool = False) -> tuple[list[tuple[Path, str]], dict[str, int]]:
+    """The text of each file; a file with no text, or unreadable (`UnreadableDocumentError`), is skipped
+    with a line on stderr.
+
+    Returns:
+        `(path, text)` of the files read, and how many were skipped, by reason ("empty", "not UTF-8 text", ...).
+
+    Raises:
+        InvalidRequestError: `strict`, and a file would be skipped (it names the file and why).
+    """
+    docs: list[tuple[Path, str]] = []
+    skipped: dict[str, int] = {}
+    for path in files:
+        try:
+            text = read_document(path)
+        except UnreadableDocumentError as e:
+            if strict:
+                raise InvalidRequestError(f"{e}, or leave out --strict to skip such files") from e
+            print(f"{PROG}: skipping {e}", file=sys.stderr)
+            skipped[e.kind] = skipped.get(e.kind, 0) + 1
+            continue
+        if text.strip():
+            docs.append((path, text))
+        elif strict:
+            raise InvalidRequestError(f"{path}: no text; add text to it, or leave out --strict to skip such files")
+        else:
+            print(f"{PROG}: skipping {path}: no text", file=sys.stderr)
+            skipped["empty"] = skipped.get("empty", 0) + 1
+    return docs, skipped
+
+
+def _skipped_note(skipped: Mapping[str, int]) -> str:
+    if not skipped:
+        return ""
+    return f"; skipped {sum(skipped.values())} file(s) ({', '.join(f'{n} {why}' for why, n in skipped.items())})"
 
 
 def _pdf_text(path: Path) -> str:
@@ -472,7 +549,7 @@ def _pdf_text(path: Path) -> str:
         reader = PdfReader(path)
         return "\n\n".join(page.extract_text() or "" for page in reader.pages)
     except PyPdfError as e:
-        raise InvalidRequestError(f"{path}: cannot read this PDF ({e}); export it as text and ingest that") from e
+        raise UnreadableDocumentError(path, "unreadable PDF", str(e), "export it as text and ingest that") from e
 
 
 def _ingest_config(args: argparse.Namespace) -> IngestConfig | None:
@@ -492,15 +569,9 @@ def _ingest_config(args: argparse.Namespace) -> IngestConfig | None:
 
 def cmd_ingest(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
     """`fusionrag ingest PATH...`."""
-    docs: list[tuple[Path, str]] = []
-    for path in collect_files(args.paths):
-        text = read_document(path)
-        if text.strip():
-            docs.append((path, text))
-        else:
-            print(f"{PROG}: skipping {path}: no text", file=sys.stderr)
+    docs, skipped = read_documents(collect_files(args.paths, strict=args.strict), strict=args.strict)
     if not docs:
-        raise InvalidRequestError("every file given is empty; nothing to ingest")
+        raise InvalidRequestError(f"no file given has text to ingest{_skipped_note(skipped)}")
     config = _ingest_config(args)
     index = open_index(args, engine(), config)
     ray = None
@@ -512,7 +583,9 @@ def cmd_ingest(args: argparse.Namespace, engine: Callable[[], FusionEngine], arg
     report = index.add_texts(
         [text for _, text in docs],
         metadatas=[{"source": str(path)} for path, _ in docs],
-        doc_ids=[str(path) for path, _ in docs],  # NOTE: resolved paths: ingesting a file again replaces it.
+        # NOTE: the paths as named (`document_path`): ingesting a file again replaces it, and once that
+        # name is gone (a removed link too), --sync removes it.
+        doc_ids=[str(path) for path, _ in docs],
         progress=not args.quiet,
         ray=ray,
         space_check=not args.no_space_check,
@@ -520,19 +593,27 @@ def cmd_ingest(args: argparse.Namespace, engine: Callable[[], FusionEngine], arg
     print(
         f"ingested {len(docs)} document(s) into {where(args)}: {report.new_chunks} new chunk(s), "
         f"{report.skipped_chunks} already indexed, {report.re_fused_chunks} re-fused, {report.removed_chunks} removed, "
-        f"in {report.seconds:.1f} s ({len(index)} chunks in the index)"
+        f"in {report.seconds:.1f} s ({len(index)} chunks in the index){_skipped_note(skipped)}"
     )
     if args.sync:
-        gone = sorted(gone_documents(index.document_ids(), args.paths, {str(path) for path, _ in docs}))
+        indexed, present = index.document_ids(), {str(path) for path, _ in docs}
+        gone = sorted(gone_documents(indexed, args.paths, present))
         if gone:
             removed = index.delete(gone)
             print(f"--sync: removed {len(gone)} document(s) no longer there ({removed} chunk(s)): " + ", ".join(gone))
+        aliases = resolved_aliases(indexed, present)
+        if aliases:
+            print(f"--sync: kept {len(aliases)} document(s) indexed under the resolved path of a file given here by "
+                  f"another name (as earlier versions indexed files, or ingested directly): {', '.join(aliases)}; "
+                  f"`{PROG} delete PATH...` removes such a copy")
     return 0
 
 
 def gone_documents(indexed: set[str], paths: Sequence[str], present: set[str]) -> set[str]:
-    """Indexed file documents under `paths` (folders, or files as given) that are not in `present`."""
-    roots = [Path(p).expanduser().resolve() for p in paths]
+    """Indexed file documents under `paths` (folders, or files as given) that are not in `present` and
+    whose file is gone. A path counts by its `document_path` and by its resolved path, under which
+    earlier versions indexed files."""
+    roots = {root for p in paths for root in (document_path(Path(p)), Path(p).expanduser().resolve())}
     out = set()
     for doc_id in indexed - present:
         doc = Path(doc_id)
@@ -541,17 +622,26 @@ def gone_documents(indexed: set[str], paths: Sequence[str], present: set[str]) -
     return out
 
 
+def resolved_aliases(indexed: set[str], present: set[str]) -> list[str]:
+    """Indexed documents named by the resolved path of a file in `present` that is named otherwise
+    (through a symlink): indexed so by an earlier version, or ingested directly; --sync keeps them."""
+    aliases = {str(Path(doc_id).resolve()) for doc_id in present} - present
+    return sorted(aliases & indexed)
+
+
 # ---- delete ---------------------------------------------------------------------------------------
 def cmd_delete(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
     """`fusionrag delete DOC_ID...`: 0 when every id named a document, 2 when none did."""
     _require_index(args)
     index = open_index(args, engine())
-    indexed = index.document_ids()
+    # NOTE: a delete that died part-way names documents no chunk lists any more; deleting one finishes it.
+    indexed = index.document_ids() | set(index.interrupted_deletes())
     wanted: list[str] = []
     unknown: list[str] = []
     for raw in args.doc_ids:
-        path = str(Path(raw).expanduser().resolve())
-        doc_id = raw if raw in indexed else path if path in indexed else None
+        # NOTE: files are indexed by `document_path`; earlier versions used the resolved path.
+        names = (raw, str(document_path(Path(raw))), str(Path(raw).expanduser().resolve()))
+        doc_id = next((name for name in names if name in indexed), None)
         (wanted if doc_id else unknown).append(doc_id or raw)
     if not wanted:
         raise InvalidRequestError(
@@ -600,10 +690,13 @@ def cmd_verify(args: argparse.Namespace, engine: Callable[[], FusionEngine], arg
     index = open_index(args, engine())
     report = index.verify(repair=args.repair)
     print(f"{where(args)}: {report.chunks} chunk(s) in Chroma, {report.blobs} with caches in {index.store!r}")
+    if report.finished:
+        print(f"finished the interrupted {report.finished}")
     if report.incomplete:
-        print(f"INCOMPLETE: the last {report.incomplete}; the index lacks some of its documents. Re-run that "
-              f"command (it resumes where it stopped, reusing the caches it stored), then `{PROG} verify`. "
-              "Nothing was repaired.")
+        print(f"INCOMPLETE: the last {report.incomplete}; the index lacks some of its documents, or still holds "
+              f"parts of deleted ones. Re-run that command (it resumes where it stopped, reusing the caches it "
+              f"stored; `{PROG} verify` with repair finishes a delete too), then `{PROG} verify`. Nothing was "
+              "repaired.")
         return 1
     if report.drift_added:
         print(f"upgraded: {report.drift_added} fused cache(s) given their fusion drift (read by drift_aware)")
@@ -615,9 +708,15 @@ def cmd_verify(args: argparse.Namespace, engine: Callable[[], FusionEngine], arg
         return 0
     problems = {name: getattr(report, name) for name in ("missing", "corrupt", "mismatched", "orphans", "textless",
                                                            "stale", "wrong_neighbours")}
-    print("found: " + ", ".join(f"{count} {name}" for name, count in problems.items() if count))
+    found = [f"{count} {name}" for name, count in problems.items() if count]
+    if report.content_index:
+        found.append(report.content_index)
+    print("found: " + ", ".join(found))
     if report.repaired:
-        print(f"repaired: {report.recomputed} cache(s) recomputed, {report.removed} text-less entr(y/ies) removed")
+        rebuilt = (f", content index rebuilt from {report.content_index_rebuilt} chunk text(s)"
+                   if report.content_index else "")
+        print(f"repaired: {report.recomputed} cache(s) recomputed, {report.removed} text-less entr(y/ies) removed"
+              f"{rebuilt}")
         return 0
     print(f"not repaired; run `{PROG} verify --repair` to fix")
     return 1
@@ -661,14 +760,17 @@ __all__ = [
     "Command",
     "EngineFactory",
     "EngineSpec",
+    "UnreadableDocumentError",
     "build_parser",
     "collect_files",
+    "document_path",
     "load_engine",
     "main",
     "open_index",
     "plugin_commands",
     "positive_int",
     "read_document",
+    "read_documents",
     "where",
 ]
 

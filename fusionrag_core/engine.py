@@ -128,6 +128,9 @@ class Generation:
             "content", "document", "mark_then_content", "mark_then_document").
         cache_variants: reused chunks per cache variant; a missing fused cache falls back to the
             independent one, and this is where that shows.
+        cache_fallbacks: chunk id -> why it reused another cache variant than the one preferred
+            (e.g. no fused cache stored: never fused, or withdrawn until re-fusion because a
+            neighbour it was fused after was deleted).
         chunks_without_drift: reused chunks whose cache carries no fusion drift (independent
             caches, learned ones, blobs written before drift was stored); `drift_aware`
             scores their tokens with the prompt's mean drift.
@@ -152,6 +155,7 @@ class Generation:
     cache_misses: dict[str, str] = field(default_factory=dict)
     found_by: dict[str, str] = field(default_factory=dict)
     cache_variants: dict[str, int] = field(default_factory=dict)
+    cache_fallbacks: dict[str, str] = field(default_factory=dict)
     chunks_without_drift: int = 0
     kv_tiers: dict[str, int] = field(default_factory=dict)
     prefilled_tokens: int = 0
@@ -188,6 +192,7 @@ class Generation:
             "cache_misses": len(self.cache_misses),
             "fused_chunks": self.cache_variants.get("fused", 0),
             "independent_chunks": self.cache_variants.get("independent", 0),
+            "cache_fallbacks": len(self.cache_fallbacks),
             "chunks_without_drift": self.chunks_without_drift,
             **{f"kv_{k}": v for k, v in self.kv_tiers.items()},
             "audit_kl_first_token": self.audit.kl_first_token if self.audit else None,
@@ -395,14 +400,16 @@ class FusionEngine:
 
     def _lookup(
         self, caches: Mapping[str, ChunkKV] | None, variant: Variant, store: KVStore | None, *, exact_first: bool
-    ) -> tuple[CacheLookup, TierStats]:
+    ) -> tuple[CacheLookup, TierStats, dict[str, str]]:
         """Chunk id -> cache: `caches` first, then `store` (the variant order: see the NOTE below),
-        and this request's loads by tier (device / host tier of a `TieredKVStore`, or the store).
+        this request's loads by tier (device / host tier of a `TieredKVStore`, or the store), and
+        its fallbacks (chunk id -> why another variant than the preferred one was reused).
 
         `exact_first`: the prompt's prefix is the one chunk caches are computed after, so the first
         chunk's independent cache is exactly what full attention computes there.
         """
         tiers, tiers_lock = TierStats(), threading.Lock()  # NOTE: this request's loads; prefetch threads add
+        fallbacks: dict[str, str] = {}
 
         def load(chunk_id: str, v: Variant) -> ChunkKV:
             assert store is not None
@@ -429,18 +436,28 @@ class FusionEngine:
             if variant == "fused":
                 order = ("independent", "fused") if first and exact_first else ("fused", "independent")
             miss: CacheMiss | None = None
+            passed_over = ""  # NOTE: why the preferred variant was not reused
             for v in order:
                 try:
-                    return load(chunk_id, v)
+                    kv = load(chunk_id, v)
                 except CacheNotFoundError:
+                    # NOTE: a delete withdraws the fused caches built on the chunk it deletes.
+                    why = " (not fused yet, or withdrawn until re-fused: a neighbour is gone)" if v == "fused" else ""
+                    passed_over = passed_over or f"no {v} cache stored{why}"
                     continue
                 except (CacheCorruptError, CacheMismatchError) as e:
                     # NOTE: a bad blob is an absent blob (next variant, else prefill), never a failed query.
                     reported = self._bad_blobs.miss(store, chunk_id, v, e)
                     miss = miss or reported
+                    passed_over = passed_over or reported.reason
+                    continue
+                if v != order[0]:
+                    with tiers_lock:
+                        fallbacks[chunk_id] = f"{passed_over}: reused the {v} cache"
+                return kv
             return miss
 
-        return lookup, tiers
+        return lookup, tiers, fallbacks
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(
@@ -493,10 +510,10 @@ class FusionEngine:
         select_fn = get_selector(name)
         self._check_length(prompt, sampling)
         exact_first = self.config.exact_first_chunk and torch.equal(prompt.prefix.cpu(), self._canonical_prefix)
-        lookup, tiers = self._lookup(caches, variant or self.config.cache_variant, store,
-                                     exact_first=exact_first)
+        lookup, tiers, fallbacks = self._lookup(caches, variant or self.config.cache_variant, store,
+                                                exact_first=exact_first)
         return GenerationStream(self._run(prompt, sampling, name, select_fn, select_config, lookup,
-                                          in_memory=caches or (), learn=learn, tiers=tiers,
+                                          in_memory=caches or (), learn=learn, tiers=tiers, fallbacks=fallbacks,
                                           audit=self.auditor.should_audit()))
 
     def full_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None) -> GenerationStream:
@@ -530,12 +547,13 @@ class FusionEngine:
         learn: LearnFn | None = None,
         audit: bool = False,
         tiers: TierStats | None = None,
+        fallbacks: Mapping[str, str] | None = None,
     ) -> Iterator[str | Generation]:
         # NOTE: a generator, so nothing runs (and the TTFT clock does not start) until iterated.
         start = time.perf_counter()
         prepared = self._prepare(prompt, sampling, name, select_fn, select_config, lookup,
                                  use_prefix=use_prefix, in_memory=in_memory)
-        yield from self._decode(prepared, sampling, start, learn, audit, tiers)
+        yield from self._decode(prepared, sampling, start, learn, audit, tiers, fallbacks or {})
 
     def _prepare(
         self,
@@ -584,6 +602,7 @@ class FusionEngine:
         learn: LearnFn | None,
         audit: bool,
         tiers: TierStats | None,
+        fallbacks: Mapping[str, str],
     ) -> Iterator[str | Generation]:
         """Decoding: sample from the prepared logits, one cached step per token, stream text pieces,
         then the finished Generation."""
@@ -634,6 +653,7 @@ class FusionEngine:
             cache_misses=dict(st.misses),
             found_by={s.chunk_id: s.found_by for s in prompt.segments if s.chunk_id and s.found_by},
             cache_variants=dict(st.variants),
+            cache_fallbacks=dict(fallbacks),
             chunks_without_drift=st.chunks_without_drift,
             kv_tiers=tiers.as_dict() if tiers is not None else {},
             prefilled_tokens=prepared.prefilled_tokens,

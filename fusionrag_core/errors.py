@@ -44,3 +44,13 @@ class CorpusLockedError(FusionRAGError):
 
 class InsufficientSpaceError(FusionRAGError):
     """An ingest's projected caches do not fit the KV store's free space."""
+
+
+class DatabaseInUseError(FusionRAGError):
+    """An embedded Chroma database is open in another process: a write there needs to be its only
+    user, and opening it waits for another process's write (several processes need a Chroma server)."""
+
+
+class ReadOnlyError(FusionRAGError):
+    """A store or database directory this process cannot write (a read-only mount, missing
+    permissions) was asked to change."""

@@ -13,22 +13,24 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from chromadb.api.models.Collection import Collection
 
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream
-from fusionrag_core.errors import CacheMismatchError, InsufficientSpaceError, InvalidRequestError
+from fusionrag_core.errors import CacheMismatchError, InvalidRequestError
 from fusionrag_core.ingest import chroma
 from fusionrag_core.ingest.chroma import RetrievedChunk
 from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_core.ingest.corpus import corpus_id_of, legacy_warning, store_namespace
-from fusionrag_core.ingest.ingestor import Ingestor, IngestReport, VerifyReport, owners_of
-from fusionrag_core.ingest.lock import writing
+from fusionrag_core.ingest.ingestor import Ingestor, IngestReport, VerifyReport, checked_doc_ids, owners_of
+from fusionrag_core.ingest.lock import JOURNAL_VERSION, WriterLock, writing
 from fusionrag_core.ingest.records import CHUNK_INDEX_KEY
 from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_dir, kv_dir
 from fusionrag_core.query.prompt import FusionPrompt
@@ -63,10 +65,17 @@ class FusionIndex:
         data_dir: the data directory the index was opened from (`open`), where integrations keep
             the caches they learn; None when the collection and store were given directly.
 
+    An index on an embedded Chroma database claims its directory for this process until `close()`
+    (see `fusionrag_core.ingest.claim`): while it is open, no other process can write there, and a
+    write of its own is refused while another process has the directory open. Embedded Chroma
+    serves one process; several processes share a corpus through a Chroma server (`open`'s
+    `chroma_url`).
+
     Raises:
         CacheMismatchError: the collection was built by another model.
         InvalidRequestError: `config` differs from the collection's settings, or the embedding
             function is not the collection's, or the collection was not built by FusionRAG.
+        DatabaseInUseError: another process is writing to the embedded database (after `writer_wait_s`).
     """
 
     def __init__(
@@ -87,9 +96,17 @@ class FusionIndex:
         # a collection and a store directly. Integrations learn caches under it.
         self.data_dir = Path(data_dir).expanduser() if data_dir is not None else None
         self.writer_wait_s = writer_wait_s
-        ef = embedding_function if embedding_function is not None else chroma.default_embedding_function()
-        self.config = _bind(collection, engine, config, ef)
-        self.ingestor = Ingestor(engine, collection, store, self.config, ef)
+        # NOTE: what `close` gives back: the claim (any index), the client and store `open` made.
+        self._claim = chroma.claim_collection(collection, wait_s=writer_wait_s)
+        self._opened: tuple[chroma.Database, KVStore] | None = None
+        self._closed = False
+        try:
+            ef = embedding_function if embedding_function is not None else chroma.default_embedding_function()
+            self.config = _bind(collection, engine, config, ef)
+            self.ingestor = Ingestor(engine, collection, store, self.config, ef)
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def open(
@@ -124,18 +141,28 @@ class FusionIndex:
                 (`TieredKVStore`; per-tier hits and bytes in `Generation.stats()`); None = none.
 
         Raises:
-            CacheMismatchError / InvalidRequestError: as `FusionIndex(...)`.
+            CacheMismatchError / InvalidRequestError / DatabaseInUseError: as `FusionIndex(...)`.
             FusionRAGError: a server cannot be reached.
         """
         ef = embedding_function if embedding_function is not None else chroma.default_embedding_function()
         vconfig = chroma.VectorDBConfig(path=str(chroma_dir(data_dir)), url=chroma_url, collection=collection_name)
-        collection = chroma.open_collection(vconfig, ef)
-        store = corpus_store(collection, data_dir, redis_url=redis_url, storage_dtype=storage_dtype,
-                             where=chroma_url or str(Path(data_dir).expanduser()))
-        if tiers is not None:
-            store = tiers.wrap(store, device=engine.device, dtype=engine.decoder.dtype)
-        return cls(engine, collection, store, config, embedding_function=ef, writer_wait_s=writer_wait_s,
-                   data_dir=data_dir)
+        database = chroma.open_database(vconfig, wait_s=writer_wait_s)
+        store: KVStore | None = None
+        try:
+            collection = chroma.collection_in(database.client, collection_name, ef, chroma_url or vconfig.path)
+            store = corpus_store(collection, data_dir, redis_url=redis_url, storage_dtype=storage_dtype,
+                                 where=chroma_url or str(Path(data_dir).expanduser()))
+            if tiers is not None:
+                store = tiers.wrap(store, device=engine.device, dtype=engine.decoder.dtype)
+            index = cls(engine, collection, store, config, embedding_function=ef, writer_wait_s=writer_wait_s,
+                        data_dir=data_dir)
+        except BaseException:
+            if store is not None:
+                store.close()
+            database.close()
+            raise
+        index._opened = (database, store)
+        return index
 
     # ---- writing ------------------------------------------------------------------------------------
     def add_texts(
@@ -149,6 +176,9 @@ class FusionIndex:
         space_check: bool = True,
     ) -> IngestReport:
         """Chunk, cache (independent and fused) and index documents; resumes an interrupted run.
+
+        A delete that died part-way is finished first. The ingest is journaled from its first write
+        on: a request refused (or interrupted) before it writes leaves no record for `verify` to report.
 
         Args:
             texts: one text per document.
@@ -165,25 +195,36 @@ class FusionIndex:
         Raises:
             CorpusLockedError: another writer holds the corpus (after `writer_wait_s`).
             InsufficientSpaceError: the projected caches do not fit; nothing was written.
+            InvalidRequestError: bad texts, doc ids or metadata; nothing was written.
         """
-        with writing(self.store, "ingest", wait_s=self.writer_wait_s, journal=True) as lock:
-            try:
-                if ray is None:
-                    return self.ingestor.add(texts, metadatas, doc_ids, progress=progress, space_check=space_check)
-                from fusionrag_core.ingest.distributed import RayIngestor
+        with self._writing("ingest") as lock:
+            self._finish_delete(lock)
+            if ray is None:
+                return self.ingestor.add(texts, metadatas, doc_ids, progress=progress, space_check=space_check,
+                                         journal=lock.journaled())
+            from fusionrag_core.ingest.distributed import RayIngestor
 
-                try:
-                    with RayIngestor(self.engine, self.collection, self.store, self.config,
-                                     self.ingestor.embedding_function, ray) as ingestor:
-                        return ingestor.add(texts, metadatas, doc_ids, progress=progress, space_check=space_check)
-                finally:
-                    self.store.drop_copies()  # NOTE: the workers wrote to the backend, around any tiers
-            except InsufficientSpaceError:
-                lock.end()  # NOTE: refused before its first write: there is nothing to resume.
-                raise
+            try:
+                with RayIngestor(self.engine, self.collection, self.store, self.config,
+                                 self.ingestor.embedding_function, ray) as ingestor:
+                    return ingestor.add(texts, metadatas, doc_ids, progress=progress, space_check=space_check,
+                                        journal=lock.journaled())
+            finally:
+                self.store.drop_copies()  # NOTE: the workers wrote to the backend, around any tiers
+
+    @contextlib.contextmanager
+    def _writing(self, action: str, *, chroma_too: bool = True) -> Iterator[WriterLock]:
+        """The corpus's writer lock for the block and, when the block may write Chroma (`chroma_too`),
+        no other process with its embedded database open: both are taken before anything is written."""
+        self._check_open()
+        alone = chroma.alone(self.collection, action, wait_s=self.writer_wait_s) if chroma_too else (
+            contextlib.nullcontext())
+        with alone, writing(self.store, action, wait_s=self.writer_wait_s) as lock:
+            yield lock
 
     def document_ids(self) -> set[str]:
         """The ids of every document with a chunk in the index."""
+        self._check_open()
         return self.ingestor.document_ids()
 
     def document_chunks(self, doc_ids: Sequence[str]) -> dict[str, list[chroma.Row]]:
@@ -192,6 +233,7 @@ class FusionIndex:
         A chunk shared by several documents is listed under each of them; its metadata is its
         first owner's (see `fusionrag_core.ingest.ingestor`). Ids without chunks are left out.
         """
+        self._check_open()
         rows = self.ingestor.owned_by(list(doc_ids), include=("documents", "metadatas"))
         out: dict[str, list[chroma.Row]] = {}
         for doc_id in dict.fromkeys(doc_ids):
@@ -202,9 +244,27 @@ class FusionIndex:
 
     def delete(self, doc_ids: Sequence[str]) -> int:
         """Remove documents (Chroma entries and every cache variant of chunks no other document
-        shares); chunks that were fused after them are re-fused. Returns the chunks removed."""
-        with writing(self.store, "delete", wait_s=self.writer_wait_s, journal=True):
-            return self.ingestor.delete(doc_ids)
+        shares); chunks that were fused after them are re-fused. Returns the chunks removed.
+
+        The journal records the doc ids until the delete is done. One that dies part-way is finished
+        by `verify`, by the next `add_texts`, or by the next delete, along with its own documents
+        (`interrupted_deletes` lists them: no chunk may list them any more).
+
+        Raises:
+            CorpusLockedError: another writer holds the corpus (after `writer_wait_s`).
+            InvalidRequestError: `doc_ids` is one string or holds a non-string; nothing was written.
+        """
+        wanted = checked_doc_ids(doc_ids)
+        with self._writing("delete") as lock:
+            ids = list(dict.fromkeys([*_interrupted_delete(lock.interrupted()), *wanted]))
+            with lock.journaled(action="delete", doc_ids=ids):
+                return self.ingestor.delete(ids)
+
+    def interrupted_deletes(self) -> list[str]:
+        """The doc ids of a delete that died part-way (empty if none): `delete` of any of them, another
+        write or `verify` finishes it."""
+        with self._writing("delete", chroma_too=False) as lock:
+            return _interrupted_delete(lock.interrupted())
 
     def verify(self, repair: bool = True) -> VerifyReport:
         """Check that Chroma and the KV store agree, loading every blob; optionally repair.
@@ -213,15 +273,33 @@ class FusionIndex:
         (deleted), corrupt or mismatched blobs (recomputed) and out-of-date fused caches (re-fused).
         Takes the corpus's writer lock (a report taken beside a running ingest would count its
         in-flight blobs as orphans). After an ingest that died mid-way it reports the corpus
-        incomplete and repairs nothing: re-run that ingest (it resumes), then verify.
+        incomplete and repairs nothing: re-run that ingest (it resumes), then verify. A delete that
+        died mid-way is finished first (`VerifyReport.finished`); with `repair=False` it is reported
+        incomplete instead.
         """
-        with writing(self.store, "repair" if repair else "verify", wait_s=self.writer_wait_s) as lock:
+        with self._writing("repair" if repair else "verify", chroma_too=repair) as lock:
+            finished = self._finish_delete(lock) if repair else ""
             interrupted = lock.interrupted()
-            return self.ingestor.verify(repair=repair, interrupted=_describe(interrupted) if interrupted else "")
+            report = self.ingestor.verify(repair=repair, interrupted=_describe(interrupted) if interrupted else "")
+            report.finished = finished
+            return report
+
+    def _finish_delete(self, lock: WriterLock) -> str:
+        """Finish a delete that died part-way (the journal names its documents): which, who and
+        when (empty if there was none)."""
+        record = lock.interrupted() or {}
+        ids = _interrupted_delete(record)
+        if not ids:
+            return ""
+        with lock.journaled(action="delete", doc_ids=ids):
+            self.ingestor.delete(ids)
+        return _who(record)
 
     # ---- reading ------------------------------------------------------------------------------------
     def search(self, query: str, k: int = 4) -> list[RetrievedChunk]:
-        """The `k` chunks most similar to `query`, best first."""
+        """The `k` chunks most similar to `query`, best first (a hit without text is left out, with a
+        warning)."""
+        self._check_open()
         return chroma.search(self.collection, query, k)
 
     def prompt_for(self, question: str, chunks: Sequence[RetrievedChunk]) -> FusionPrompt:
@@ -240,6 +318,7 @@ class FusionIndex:
     ) -> GenerationStream:
         """`engine.stream` with this index's KV store (the store goes with the request, so one
         engine can serve several indexes from several threads)."""
+        self._check_open()
         return self.engine.stream(prompt, store=self.store, sampling=sampling, selector=selector, ratio=ratio,
                                   variant=variant)
 
@@ -269,7 +348,33 @@ class FusionIndex:
         prompt = self.prompt_for(question, hits)
         return self.stream(prompt, sampling=sampling, selector=selector, ratio=ratio, variant=variant).collect(), hits
 
+    def close(self) -> None:
+        """Give back what the index holds (idempotent): its claim on an embedded database, and the
+        Chroma client and KV store that `open` made. The index cannot be used after."""
+        claim, self._claim = self._claim, None
+        opened, self._opened = self._opened, None
+        self._closed = True
+        if opened is not None:
+            database, store = opened
+            store.close()
+            database.close()
+        if claim is not None:
+            claim.release()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidRequestError(f"the index on collection {self.collection.name!r} is closed; open it again "
+                                      "(FusionIndex.open)")
+
+    def __enter__(self) -> FusionIndex:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
     def __len__(self) -> int:
+        self._check_open()
         return self.collection.count()
 
     def __repr__(self) -> str:
@@ -305,9 +410,23 @@ def corpus_store(
     return open_store(redis_url, storage_dtype=storage_dtype, namespace=store_namespace(collection.name, corpus_id))
 
 
+def _interrupted_delete(record: Mapping[str, Any] | None) -> list[str]:
+    """The doc ids of the delete a journal record describes (`FusionIndex.delete`), else []."""
+    if not record or record.get("action") != "delete" or record.get("version") != JOURNAL_VERSION:
+        return []  # NOTE: records of other versions are reported, never acted on.
+    ids = record.get("doc_ids")
+    return [i for i in ids if isinstance(i, str) and i] if isinstance(ids, list) else []
+
+
+def _who(writer: Mapping[str, Any]) -> str:
+    docs = _interrupted_delete(writer)
+    what = f"delete of {len(docs)} document(s)" if docs else str(writer.get("action", "a write"))
+    return (f"{what} by pid {writer.get('pid')} on {writer.get('host')} "
+            f"({writer.get('command')!r}, started {writer.get('since')})")
+
+
 def _describe(writer: Mapping[str, Any]) -> str:
-    return (f"{writer.get('action', 'a write')} by pid {writer.get('pid')} on {writer.get('host')} "
-            f"({writer.get('command')!r}, started {writer.get('since')}) did not finish")
+    return f"{_who(writer)} did not finish"
 
 
 def _bind(

@@ -29,8 +29,15 @@ from fusionrag_core.paths import DEFAULT_DATA_DIR, learned_dir
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.stitch import Stitched
 from fusionrag_core.recognise.marks import clean_output
-from fusionrag_core.reuse.learned import DEFAULT_MAX_BYTES, LearnConfig, LearnedCaches, open_learned
-from fusionrag_core.reuse.sources import ReuseMonitor, ReuseSources
+from fusionrag_core.reuse.learned import (
+    DEFAULT_MAX_BYTES,
+    STORAGE_ERRORS,
+    LearnConfig,
+    LearnedCaches,
+    SkippedLearning,
+    open_learned,
+)
+from fusionrag_core.reuse.sources import ReuseMonitor, ReuseSources, check_store_model
 from fusionrag_core.store import KVStore
 from fusionrag_integrations.request import RequestOptions
 
@@ -74,6 +81,10 @@ class ReuseSession:
         engine: the engine that answers.
         store: KV store of ingested chunk caches (None: only learned caches are reused).
         config: learning on or off, and where learned caches live.
+
+    Raises:
+        CacheMismatchError: `store`, or the learned caches already in the learned directory, hold
+            another model's caches (none could be reused).
     """
 
     def __init__(self, engine: FusionEngine, store: KVStore | None, config: ReuseConfig | None = None) -> None:
@@ -81,6 +92,10 @@ class ReuseSession:
         self.store = store
         self.config = config or ReuseConfig()
         self.monitor = ReuseMonitor(engine.name)
+        self.skipped = SkippedLearning()
+        if store is not None:
+            check_store_model(engine, store)
+        self.learned()  # NOTE: opens the learned caches that exist, so another model's are refused now
 
     @property
     def learned_root(self) -> Path:
@@ -119,8 +134,9 @@ class ReuseSession:
             sources: ReuseSources | None = None) -> Iterator[str | Generation]:
         """Generate `prompt`: non-empty text pieces (mark characters removed), then the Generation.
 
-        Learnable chunks without a usable cache are kept as learned caches; a request with
-        context that reuses nothing logs one warning per session (`fusionrag_core.reuse.sources`).
+        Learnable chunks without a usable cache are kept as learned caches, best-effort (a full
+        disk skips them with one warning per cause, never the answer); a request with context
+        that reuses nothing logs one warning per session (`fusionrag_core.reuse.sources`).
 
         Args:
             prompt: from `prompt`, or the engine's `prompt(...)` (a canonical prompt of chunks by id).
@@ -140,8 +156,13 @@ class ReuseSession:
         yield generation
 
     def _learn(self, prompt: FusionPrompt, st: Stitched) -> None:
-        # NOTE: the engine calls this once decoding ends, in the request's own thread.
-        learned = self.learned(create=True)
+        # NOTE: the engine calls this once decoding ends, in the request's own thread. Learning is
+        # best-effort (`LearnedCaches.learn`): a directory that cannot be made skips it, not the answer.
+        try:
+            learned = self.learned(create=True)
+        except STORAGE_ERRORS as e:
+            self.skipped.report(self.learned_root, e)
+            return
         if learned is not None and any(prompt.segments[i].learn for i, _ in st.missed):
             learned.learn(prompt, st)
 

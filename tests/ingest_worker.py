@@ -4,7 +4,9 @@ As a script (`python -m tests.ingest_worker ...`) it runs the `add_texts` calls 
 (a list of lists of texts) on a FusionIndex and SIGKILLs itself right after the store has received
 `--die-after-fused` fused caches (new or re-fused): no `finally`, no flush, no cleanup runs,
 exactly as if the machine had pulled the plug mid-ingest. The test then resumes the ingest and
-checks what was and was not recomputed.
+checks what was and was not recomputed. With `--die-deleting DOC_ID` instead, the calls all finish,
+then the worker deletes that document and SIGKILLs itself right after its Chroma entries are deleted,
+before the chunks fused after them are re-fused.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from chromadb.api.models.Collection import Collection
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.index import FusionIndex
+from fusionrag_core.ingest import chroma
 from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_core.runtime.kv import ChunkKV
 from fusionrag_core.runtime.loading import resolve_source
@@ -84,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", required=True, help="directory from tokenizer_dir()")
     parser.add_argument("--texts", required=True, help="JSON file: list of add_texts calls, each a list of texts")
     parser.add_argument("--config", required=True, help="JSON object of IngestConfig fields")
-    parser.add_argument("--die-after-fused", type=int, required=True)
+    death = parser.add_mutually_exclusive_group(required=True)
+    death.add_argument("--die-after-fused", type=int)
+    death.add_argument("--die-deleting", metavar="DOC_ID")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)  # NOTE: as in the tests: tiny matrices, no gain from more threads.
@@ -101,10 +108,22 @@ def main(argv: list[str] | None = None) -> int:
             if fused_puts >= args.die_after_fused:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    index.store.put = put_then_maybe_die  # type: ignore[method-assign]
+    if args.die_after_fused is not None:
+        index.store.put = put_then_maybe_die  # type: ignore[method-assign]
     for texts in json.loads(Path(args.texts).read_text()):
         index.add_texts(texts)
-    print("finished without dying: --die-after-fused is larger than the fused caches computed", file=sys.stderr)
+    if args.die_deleting is None:
+        print("finished without dying: --die-after-fused is larger than the fused caches computed", file=sys.stderr)
+        return 3
+    delete_ids = chroma.delete_ids
+
+    def delete_then_die(collection: Collection, ids: Iterable[str]) -> None:
+        delete_ids(collection, ids)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    chroma.delete_ids = delete_then_die  # type: ignore[assignment]
+    index.delete([args.die_deleting])
+    print(f"finished without dying: deleting {args.die_deleting!r} deleted no Chroma entry", file=sys.stderr)
     return 3
 
 

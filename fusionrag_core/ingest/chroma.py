@@ -10,8 +10,12 @@ so every collection is opened with an explicit embedding function.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
+import logging
 import math
+import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -22,6 +26,7 @@ from urllib.parse import urlsplit
 
 import chromadb
 import numpy as np
+from chromadb.api.client import Client
 from chromadb.api.collection_configuration import CreateCollectionConfiguration
 from chromadb.api.models.Collection import Collection
 from chromadb.api.types import EmbeddingFunction
@@ -29,7 +34,8 @@ from chromadb.config import Settings
 from chromadb.errors import NotFoundError
 from chromadb.utils.embedding_functions import SentenceTransformerEmbeddingFunction
 
-from fusionrag_core.errors import FusionRAGError, InvalidRequestError
+from fusionrag_core.errors import FusionRAGError, InvalidRequestError, ReadOnlyError
+from fusionrag_core.ingest import claim as claims
 from fusionrag_core.ingest.corpus import CORPUS_ID_KEY, corpus_id_of, new_corpus_id
 from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_dir
 
@@ -54,6 +60,8 @@ Primitive = str | int | float | bool
 # NOTE: Chroma's generics are invariant in the input type (texts vs images); `Any` lets a text-only
 # function be passed where Chroma's signatures ask for `EmbeddingFunction[Embeddable]`.
 EmbeddingFn = EmbeddingFunction[Any]
+
+log = logging.getLogger(__name__)
 
 
 class MiniLMEmbeddingFunction(SentenceTransformerEmbeddingFunction):
@@ -161,10 +169,69 @@ def _settings() -> Settings:
     return Settings(anonymized_telemetry=False)
 
 
-def open_client(config: VectorDBConfig) -> chromadb.ClientAPI:
-    """A Chroma client for `config`: HttpClient when `config.url` is set, else PersistentClient.
+def persistent_client(path: str | Path, settings: Settings, **scope: str) -> chromadb.ClientAPI:
+    """An embedded Chroma database in the directory `path` (created if missing), as
+    `chromadb.PersistentClient(path, settings, tenant=..., database=...)`.
 
     Raises:
+        ReadOnlyError: this process cannot write `path` (or create it): embedded Chroma writes to
+            its directory even to read (the message, naming it, says what to do instead).
+    """
+    # NOTE: an absolute path names one database (Chroma caches one system per path string).
+    path = Path(path).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        raise ReadOnlyError(f"cannot create the Chroma directory {path} ({e.strerror}): its parent is read-only "
+                            "for this process; pass a directory it can write") from e
+    database = path / "chroma.sqlite3"
+    if not os.access(path, os.W_OK) or (database.exists() and not os.access(database, os.W_OK)):
+        # NOTE: checked first: Chroma fails with "attempt to write a readonly database", without the
+        # path, and a failed open leaves it unable to open that path again in this process.
+        raise ReadOnlyError(
+            f"the Chroma database {path} is read-only for this process, and embedded Chroma writes to its "
+            "directory even to read; make it writable, or serve a writable copy with a Chroma server "
+            "(`chroma run --path COPY`) and connect to that (host=/port=, --chroma-url): the KV caches may "
+            "stay read-only"
+        )
+    return chromadb.PersistentClient(path=str(path), settings=settings, **scope)
+
+
+@dataclass
+class Database:
+    """An open Chroma client and, for an embedded database, this process's claim on its directory
+    (see `fusionrag_core.ingest.claim`: writes there need every other process to have closed it).
+
+    Attributes:
+        client: the Chroma client.
+        claim: the claim on the embedded directory; None for a Chroma server.
+    """
+
+    client: chromadb.ClientAPI
+    claim: claims.Claim | None
+
+    def close(self) -> None:
+        """Close the client, then give the claim up (idempotent). Once no client of the directory is
+        open in the process, Chroma forgets what it loaded: the next open reads the directory again."""
+        if isinstance(self.client, Client):  # NOTE: every client Chroma makes; ClientAPI declares no close().
+            self.client.close()
+        if self.claim is not None:
+            self.claim.release()
+
+
+def open_database(config: VectorDBConfig, *, wait_s: float = 0.0) -> Database:
+    """A Chroma client for `config` (HttpClient when `config.url` is set, else PersistentClient),
+    holding a claim on an embedded database's directory until `Database.close()`.
+
+    Args:
+        config: where the database lives.
+        wait_s: how long to wait for another process writing to an embedded database.
+
+    Raises:
+        DatabaseInUseError: another process is writing to the embedded database (after `wait_s`).
+        ReadOnlyError: this process cannot write the embedded database's directory.
         FusionRAGError: the server does not answer (the message says how to start one).
     """
     if config.url is None:
@@ -172,8 +239,13 @@ def open_client(config: VectorDBConfig) -> chromadb.ClientAPI:
         # path opened again after a chdir would reuse the first directory's system against the new
         # directory's files (seen as "no such table: embeddings"). An absolute path names one database.
         path = Path(config.path).expanduser().resolve()
-        path.mkdir(parents=True, exist_ok=True)
-        return chromadb.PersistentClient(path=str(path), settings=_settings())
+        # NOTE: claimed before Chroma reads anything, so no other process writes while it loads.
+        held = claims.claim(path, wait_s=wait_s)
+        try:
+            return Database(persistent_client(path, _settings()), held)
+        except BaseException:
+            held.release()
+            raise
     host, port, ssl = _parse_url(config.url)
     try:
         client = chromadb.HttpClient(host=host, port=port, ssl=ssl, settings=_settings())
@@ -184,7 +256,51 @@ def open_client(config: VectorDBConfig) -> chromadb.ClientAPI:
             f"`chroma run --path ./fusionrag-data/chroma --host {host} --port {port}`, or drop the URL "
             "to use an embedded database"
         ) from e
-    return client
+    return Database(client, None)
+
+
+def open_client(config: VectorDBConfig) -> chromadb.ClientAPI:
+    """A Chroma client for `config`: HttpClient when `config.url` is set, else PersistentClient.
+
+    An embedded database stays claimed by this process until it exits (`open_database` returns a
+    claim that can be released).
+
+    Raises:
+        DatabaseInUseError: another process is writing to the embedded database.
+        FusionRAGError: the server does not answer (the message says how to start one).
+    """
+    return open_database(config).client
+
+
+def embedded_directory(collection: Collection) -> Path | None:
+    """The directory of the embedded database holding `collection`; None for a server or in memory."""
+    # NOTE: Collection keeps its client private; the settings are the client's public API.
+    settings = collection._client.get_settings()
+    remote = "fastapi" in str(settings.chroma_api_impl).lower()
+    if remote or not settings.is_persistent or not settings.persist_directory:
+        return None
+    return Path(settings.persist_directory).expanduser().resolve()
+
+
+def claim_collection(collection: Collection, *, wait_s: float = 0.0) -> claims.Claim | None:
+    """This process's claim on the embedded database of `collection` (None for a server or in memory).
+
+    Raises:
+        DatabaseInUseError: another process is writing to the database (after `wait_s`).
+    """
+    directory = embedded_directory(collection)
+    return None if directory is None else claims.claim(directory, wait_s=wait_s)
+
+
+def alone(collection: Collection, action: str, *, wait_s: float = 0.0) -> contextlib.AbstractContextManager[None]:
+    """A block during which no other process has the embedded database of `collection` open (a
+    no-op for a Chroma server, which serves every process from one memory).
+
+    Raises:
+        DatabaseInUseError: another process has it open (after `wait_s`); nothing was done.
+    """
+    directory = embedded_directory(collection)
+    return contextlib.nullcontext() if directory is None else claims.alone(directory, action, wait_s=wait_s)
 
 
 def open_collection(
@@ -198,11 +314,13 @@ def open_collection(
         embedding_function: defaults to `default_embedding_function()`.
 
     Returns:
-        The Chroma collection, bound to the embedding function.
+        The Chroma collection, bound to the embedding function. An embedded database stays claimed
+        by this process until it exits (see `open_client`).
 
     Raises:
         InvalidRequestError: the collection exists but was built with another embedding model or
             distance space (the message names both and how to proceed).
+        DatabaseInUseError: another process is writing to the embedded database.
         FusionRAGError: the Chroma server cannot be reached.
     """
     return collection_in(open_client(config), config.collection, embedding_function, config.url or config.path)
@@ -468,6 +586,9 @@ def query_neighbours_many(
 def search(collection: Collection, query_text: str, k: int) -> list[RetrievedChunk]:
     """The `k` chunks most similar to `query_text`, best first.
 
+    A hit without text (an entry the vector index still finds after its text is gone) is left out,
+    with a warning: fewer than `k` chunks come back then.
+
     Raises:
         InvalidRequestError: empty query or `k < 1`.
     """
@@ -481,10 +602,17 @@ def search(collection: Collection, query_text: str, k: int) -> list[RetrievedChu
     res = collection.query(query_texts=[query_text], n_results=k, include=["documents", "metadatas", "distances"])
     docs, metas, dists = res["documents"], res["metadatas"], res["distances"]
     assert docs is not None and metas is not None and dists is not None  # NOTE: requested via include.
-    return [
-        RetrievedChunk(chunk_id=i, text=t or "", score=1.0 - float(d), metadata=dict(m or {}))  # type: ignore[arg-type]
-        for i, t, m, d in zip(res["ids"][0], docs[0], metas[0], dists[0], strict=True)
-    ]
+    hits = []
+    for i, t, m, d in zip(res["ids"][0], docs[0], metas[0], dists[0], strict=True):
+        if not t:
+            # NOTE: a vector index that outlived its entry (embedded Chroma written by another
+            # process) finds ids whose text is gone; such a chunk is never served.
+            log.warning("search left out chunk %s of collection %r: the vector index found it but it has no text "
+                        "(deleted, or written by another process); `fusionrag verify` checks the index", i,
+                        collection.name)
+            continue
+        hits.append(RetrievedChunk(chunk_id=i, text=t, score=1.0 - float(d), metadata=dict(m or {})))  # type: ignore[arg-type]
+    return hits
 
 
 def delete_ids(collection: Collection, ids: Iterable[str]) -> None:

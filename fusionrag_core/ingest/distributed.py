@@ -26,6 +26,7 @@ import os
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -326,9 +327,9 @@ class RayIngestor(Ingestor):
 
     def add(self, texts: Sequence[str], metadatas: Sequence[Mapping[str, Any] | None] | None = None,
             doc_ids: Sequence[str] | None = None, *, progress: bool = False,
-            space_check: bool = True) -> IngestReport:
+            space_check: bool = True, journal: AbstractContextManager[object] | None = None) -> IngestReport:
         self._progress = progress
-        return super().add(texts, metadatas, doc_ids, progress=progress, space_check=space_check)
+        return super().add(texts, metadatas, doc_ids, progress=progress, space_check=space_check, journal=journal)
 
     def _independent_caches(self, chunks: Sequence[PendingChunk], progress: bool) -> None:
         if not chunks:

@@ -14,6 +14,9 @@ Invariants, which make an ingest killed at any point resumable by running it aga
 * a chunk whose fused cache is out of date (a neighbour appeared or was deleted) carries
   `fusion_pending=True` in its Chroma metadata until it is re-fused; every `add`, `delete` and
   `verify` finishes pending work, whoever left it;
+* a chunk's fused cache is deleted before the Chroma entry of a neighbour it was fused after: no
+  query, in any process, is served a fused cache built on a chunk that is gone (it reuses the
+  chunk's independent cache until the re-fusion);
 * blobs of chunks the collection does not hold (a run killed between blobs and entries) are
   deleted at the end of every `add` and `delete`, once this call's chunks are all in Chroma.
 
@@ -42,6 +45,7 @@ import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, cast
@@ -83,7 +87,7 @@ from fusionrag_core.ingest.records import (
     ownership,
     record_upgrade,
 )
-from fusionrag_core.ingest.space import check_room, project
+from fusionrag_core.ingest.space import check_room, fewest_chunks, fits, project
 from fusionrag_core.ingest.writer import BlobWriter
 from fusionrag_core.query.drift import fusion_drift
 from fusionrag_core.recognise.content_index import content_index_for, index_content
@@ -152,8 +156,14 @@ class VerifyReport:
         drift_added: of those, the ones the repair gave their drift (from the two stored caches,
             no prefill).
         incomplete: set when the last ingest or delete died mid-way (who and when): the corpus is
-            short of its documents; re-running that ingest finishes it. Nothing is repaired then,
-            so the blobs the resumed ingest will use are kept.
+            short of its documents, or still holds parts of deleted ones; re-running that command
+            finishes it. Nothing is repaired then, so the blobs the resumed ingest will use are kept.
+        finished: set when a repairing verify found a delete that died mid-way and finished it
+            (which, who and when) before checking.
+        content_index: why the store's content index cannot be trusted (it cannot be read, its
+            hash array is missing or cut, it lacks chunk texts): chunks are not found by their
+            content in prompts. The repair rebuilds it from the collection's texts.
+        content_index_rebuilt: chunk texts the repair rebuilt the content index from.
     """
 
     chunks: int = 0
@@ -171,12 +181,15 @@ class VerifyReport:
     without_drift: int = 0
     drift_added: int = 0
     incomplete: str = ""
+    finished: str = ""
+    content_index: str = ""
+    content_index_rebuilt: int = 0
 
     @property
     def ok(self) -> bool:
         """True when nothing was found wrong."""
         return not (self.missing or self.corrupt or self.mismatched or self.orphans or self.textless or self.stale
-                    or self.wrong_neighbours or self.incomplete)
+                    or self.wrong_neighbours or self.incomplete or self.content_index)
 
 
 @dataclass
@@ -222,6 +235,26 @@ def owners_of(metadata: Mapping[str, Any]) -> list[str]:
     if isinstance(raw, str):
         return [str(o) for o in json.loads(raw)]
     return [str(metadata[DOC_ID_KEY])] if DOC_ID_KEY in metadata else []
+
+
+def checked_doc_ids(doc_ids: Sequence[str]) -> list[str]:
+    """`doc_ids` as a list, checked (before anything is written for them).
+
+    Raises:
+        InvalidRequestError: one string instead of a list, or an id that is not a string.
+    """
+    if isinstance(doc_ids, str):
+        raise InvalidRequestError("delete takes a list of doc ids, not one string: wrap it in a list")
+    ids = list(doc_ids)
+    for doc_id in ids:
+        if not isinstance(doc_id, str):
+            raise InvalidRequestError(f"doc ids are strings, got {doc_id!r} ({type(doc_id).__name__}); pass str(...)")
+    return ids
+
+
+def _default_doc_id(text: str) -> str:
+    """The id of a document given without one: a hash of its text."""
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def _neighbour_ids(metadata: Mapping[str, Any]) -> list[str]:
@@ -293,19 +326,34 @@ class Ingestor:
         *,
         progress: bool = False,
         space_check: bool = True,
+        journal: AbstractContextManager[object] | None = None,
     ) -> IngestReport:
         """Ingest documents (see the module docstring for the order of work). Adding a document
         id that exists replaces that document: chunks it no longer contains are deleted.
 
-        Before the first write, the caches of the new chunks are projected and checked against
-        the store's free space (`space_check=False` goes on regardless).
+        Before chunking, an estimate of the caches of the documents new to the collection, and
+        before the first write, the caches of the new chunks, are checked against the store's free
+        space (`space_check=False` goes on regardless).
+
+        Args:
+            journal: entered once the request is validated, chunked and its space checked, around
+                every write (`FusionIndex` passes the writer lock's journal record): a request refused
+                or interrupted before it writes leaves no record.
 
         Raises:
             InsufficientSpaceError: the projected caches do not fit (nothing was written).
+            InvalidRequestError: bad texts, doc ids or metadata (nothing was written).
         """
         start = time.perf_counter()
-        with self.writer:
-            report = self._add(texts, metadatas, doc_ids, progress, space_check)
+        if space_check:
+            self._check_room_before_chunking(texts, doc_ids)
+        docs, chunks = self._cut(texts, metadatas, doc_ids, progress)
+        present = chroma.get_rows(self.collection, list(chunks))
+        new = [c for cid, c in chunks.items() if cid not in present]
+        self._check_room(new, space_check, progress)
+        # NOTE: nothing was written up to here; from here on every step writes.
+        with journal or nullcontext(), self.writer:
+            report = self._add(docs, chunks, present, new, progress)
         report.seconds = time.perf_counter() - start
         return report
 
@@ -313,16 +361,12 @@ class Ingestor:
     # prefills and embeddings share workers (Ray) turns this off.
     _embed_alongside_prefills = True
 
-    def _add(self, texts: Sequence[str], metadatas: Sequence[Mapping[str, Any] | None] | None,
-             doc_ids: Sequence[str] | None, progress: bool, space_check: bool) -> IngestReport:
-        """`add` itself, with the blob writer open (closed, and its error raised, by `add`)."""
-        docs, chunks = self._cut(texts, metadatas, doc_ids, progress)
+    def _add(self, docs: Mapping[str, list[str]], chunks: Mapping[str, PendingChunk],
+             present: Mapping[str, chroma.Row], new: Sequence[PendingChunk], progress: bool) -> IngestReport:
+        """The writing part of `add`, with the blob writer open (closed, and its error raised, by `add`):
+        `docs` and `chunks` as `_cut` gives them, `present` the chunks already in the collection."""
         report = IngestReport(doc_ids=list(docs), chunk_ids=[list(ids) for ids in docs.values()])
         prefills = self.prefills
-
-        present = chroma.get_rows(self.collection, list(chunks))
-        new = [c for cid, c in chunks.items() if cid not in present]
-        self._check_room(new, space_check, progress)
         report.removed_chunks = self._settle_ownership(docs, present)
         self._refresh_metadata(chunks, present)
         incomplete = self._incomplete(present)
@@ -330,6 +374,9 @@ class Ingestor:
 
         missing_independent = [c for c in new if not self._usable(c.chunk_id, "independent")]
         missing_independent += [c for c in incomplete if not self.store.has(c.chunk_id, "independent")]
+        computing = {c.chunk_id for c in missing_independent}
+        # NOTE: a run that died after storing these independent caches may not have indexed their texts.
+        index_content(self.store, [(c.chunk_id, c.text) for c in new if c.chunk_id not in computing])
         embeddings = self._independent_and_embeddings(missing_independent, new, progress)
         if self.config.fuse:
             assert embeddings is not None
@@ -361,6 +408,38 @@ class Ingestor:
             self._independent(missing, progress)
             return embedded.result()
 
+    def _check_room_before_chunking(self, texts: Sequence[str], doc_ids: Sequence[str] | None) -> None:
+        """Refuse documents whose caches cannot fit even by an estimate (chunking a large file takes
+        minutes): each document new to the collection by id, its text counted once, as its tokens
+        in the fewest chunks. Documents `_cut` will refuse are left to it."""
+        if isinstance(texts, str) or self.store.free_bytes() is None:
+            return
+        texts = list(texts)
+        ids = [_default_doc_id(t) if isinstance(t, str) else "" for t in texts] if doc_ids is None else list(doc_ids)
+        if len(ids) != len(texts):
+            return
+        docs = {doc_id: t for t, doc_id in zip(texts, ids, strict=True)
+                if isinstance(t, str) and t.strip() and isinstance(doc_id, str)}
+        # NOTE: a token covers at least one UTF-8 byte, so bytes bound tokens: when even that fits,
+        # which is the common case, nothing is tokenized before chunking.
+        if self._room_for([len(t.encode()) for t in set(docs.values())]):
+            return
+        tokens = {t: self.chunker.tokens(t) for t in set(docs.values())}
+        if self._room_for(list(tokens.values())):
+            return
+        # NOTE: only when all of them would not fit: the documents already indexed are looked up.
+        known = {o for row in self.owned_by(list(docs)).values() for o in owners_of(row.metadata)}
+        self._room_for([tokens[t] for t in {t for doc_id, t in docs.items() if doc_id not in known}], enforce=True)
+
+    def _room_for(self, document_tokens: Sequence[int], *, enforce: bool = False) -> bool:
+        """Whether documents of `document_tokens` tokens have room, by `fewest_chunks` (refused when
+        `enforce`)."""
+        counts = fewest_chunks(document_tokens, self.config.chunk_tokens)
+        projection = project(self.store, self.engine.kv_shape, counts, 2 if self.config.fuse else 1, estimated=True)
+        if enforce:
+            check_room(projection, repr(self.store))
+        return fits(projection)
+
     def _check_room(self, new: Sequence[PendingChunk], enforce: bool, progress: bool) -> None:
         """Project the new chunks' caches; refuse (when `enforce`) what the store has no room for."""
         if not new:
@@ -384,7 +463,7 @@ class Ingestor:
             raise InvalidRequestError("add_texts takes a list of texts, not one string: wrap it in a list")
         texts = list(texts)
         metas = list(metadatas) if metadatas is not None else [None] * len(texts)
-        ids = list(doc_ids) if doc_ids is not None else [hashlib.sha256(t.encode()).hexdigest()[:32] for t in texts]
+        ids = list(doc_ids) if doc_ids is not None else [_default_doc_id(t) for t in texts]
         if not len(texts) == len(metas) == len(ids):
             raise InvalidRequestError(
                 f"got {len(texts)} texts, {len(metas)} metadatas and {len(ids)} doc_ids; pass one of each per text"
@@ -636,10 +715,16 @@ class Ingestor:
 
     def delete(self, doc_ids: Sequence[str]) -> int:
         """Remove documents: chunks no other document owns lose their Chroma entry and every blob;
-        chunks fused after them are re-fused. Returns how many chunks were removed."""
-        if isinstance(doc_ids, str):
-            raise InvalidRequestError("delete takes a list of doc ids, not one string: wrap it in a list")
-        gone = set(doc_ids)
+        chunks fused after them are re-fused. Returns how many chunks were removed.
+
+        Idempotent: run again with the same ids after it died part-way, it finishes the work (the
+        documents' remaining chunks are found by owner, the chunks left pending are re-fused and the
+        blobs left behind are swept).
+
+        Raises:
+            InvalidRequestError: `doc_ids` is one string, or holds something other than strings.
+        """
+        gone = set(checked_doc_ids(doc_ids))
         released: list[str] = []
         changed: dict[str, list[str]] = {}
         for cid, row in self.owned_by(list(gone)).items():
@@ -656,8 +741,10 @@ class Ingestor:
         return removed
 
     def _remove(self, chunk_ids: Sequence[str]) -> int:
-        """Delete chunks: mark the chunks fused after them pending, drop the Chroma entries, then
-        the blobs (in that order: a crash leaves orphan blobs, never entries without blobs)."""
+        """Delete chunks: mark the chunks fused after them pending and delete their fused caches,
+        forget the chunks' texts, drop their Chroma entries, then their blobs (in that order: a crash
+        leaves orphan blobs, never entries without blobs, and no fused cache built on a chunk that is
+        gone; the chunks marked pending reuse their independent caches until they are re-fused)."""
         if not chunk_ids:
             return 0
         gone = set(chunk_ids)
@@ -669,10 +756,13 @@ class Ingestor:
                 if cid not in gone and gone.intersection(_neighbour_ids(row.metadata))
             ]
             self._mark_pending(dependants)
-        chroma.delete_ids(self.collection, chunk_ids)
+            for cid in dependants:
+                self.store.delete(cid, "fused")
         content = content_index_for(self.store)
         if content is not None:
+            # NOTE: before the entries: a rerun after a crash finds what is left through the entries.
             content.remove(chunk_ids)
+        chroma.delete_ids(self.collection, chunk_ids)
         for cid in chunk_ids:
             self.store.delete(cid)
         return len(chunk_ids)
@@ -689,16 +779,17 @@ class Ingestor:
 
     # ---- verify -------------------------------------------------------------------------------------
     def verify(self, *, repair: bool = True, interrupted: str = "") -> VerifyReport:
-        """Check every Chroma entry against the store (loading each blob) and vice versa; with
-        `repair`, delete orphans, drop text-less entries, recompute bad caches, re-fuse stale ones.
-        `interrupted` (who died mid-ingest) marks the report incomplete and suppresses the repair."""
+        """Check every Chroma entry against the store (loading each blob) and vice versa, and the
+        store's content index; with `repair`, rebuild a content index that cannot be trusted (from
+        the collection's texts), delete orphans, drop text-less entries, recompute bad caches,
+        re-fuse stale ones. `interrupted` (who died mid-ingest) marks the report incomplete and
+        suppresses the repair."""
         problems = self.find_problems()
         problems.report.incomplete = interrupted
         if repair and not problems.report.ok and not interrupted:
             self.repair(problems)
         if repair and not interrupted:
             self._add_drift(problems)
-            self._index_texts()
             self._record_nodes()
         return problems.report
 
@@ -711,13 +802,27 @@ class Ingestor:
             if ids:
                 chroma.update_metadata(self.collection, ids, [upgrades[cid] or {} for cid in ids])
 
-    def _index_texts(self) -> None:
-        """Record every chunk's text in the store's content index (corpora ingested before it existed
-        then get chunks found by content too; already indexed chunks are rewritten unchanged)."""
-        if content_index_for(self.store) is None:
-            return
-        for page in chroma.scan(self.collection, ["documents"]):
-            index_content(self.store, [(cid, row.text) for cid, row in page.items() if row.text])
+    def _content_index_problem(self, rows: Mapping[str, chroma.Row]) -> str:
+        """Why the store's content index cannot be trusted for the chunks `rows` (the collection's),
+        or "" (also for a store that keeps none). A corpus ingested before content indexes existed
+        lacks its texts: the repair gives them."""
+        index = content_index_for(self.store)
+        if index is None:
+            return ""
+        problem = index.check()
+        if problem is not None:
+            return problem
+        indexed = index.chunk_ids()
+        lacking = sum(1 for cid, row in rows.items() if (row.text or "").strip() and cid not in indexed)
+        return f"content index {index.root} lacks the text of {lacking} chunk(s)" if lacking else ""
+
+    def _rebuild_content_index(self) -> int:
+        """Replace the content index by the collection's chunk texts; returns how many were indexed."""
+        index = content_index_for(self.store)
+        if index is None:
+            return 0
+        return index.rebuild((cid, row.text) for page in chroma.scan(self.collection, ["documents"])
+                             for cid, row in page.items() if row.text)
 
     def find_problems(self) -> Problems:
         """Read-only: what disagrees between the collection and the store (every blob is loaded)."""
@@ -756,6 +861,7 @@ class Ingestor:
         stale = set(problems.stale)
         problems.without_drift = [cid for cid in problems.without_drift if cid not in stale]
         report.without_drift = len(problems.without_drift)
+        report.content_index = self._content_index_problem(rows)
         return problems
 
     def _add_drift(self, problems: Problems) -> None:
@@ -772,6 +878,9 @@ class Ingestor:
         """Fix what `find_problems` found; records the work in `problems.report`."""
         report = problems.report
         prefills = self.prefills
+        if report.content_index:
+            # NOTE: first, so the texts the steps below index go to a usable index.
+            report.content_index_rebuilt = self._rebuild_content_index()
         for cid in problems.orphans:
             self.store.delete(cid)
         report.removed = self._remove(problems.textless)
@@ -806,4 +915,4 @@ class Ingestor:
         return None, kv
 
 
-__all__ = ["IngestReport", "Ingestor", "Problems", "VerifyReport", "owners_of"]
+__all__ = ["IngestReport", "Ingestor", "Problems", "VerifyReport", "checked_doc_ids", "owners_of"]

@@ -16,10 +16,12 @@ A second writer waits up to `wait_s` seconds, then fails with `CorpusLockedError
 (process, host, command, since when). Readers (queries) never take the lock.
 
 Beside the lock, a journal entry (`<store root>/.writer.journal`, or the Redis key
-`<namespace>:journal`, neither of which expires) says an ingest or delete is under way: written when
-it starts, removed when it finishes. Found by the next holder of the lock, it means the last writer
-died mid-way (`interrupted()`): verify then reports the corpus incomplete and keeps the blobs that
-the resumed ingest will use.
+`<namespace>:journal`, neither of which expires) says an ingest or delete is under way: written once
+the request is validated and its first write is next, removed when it finishes (a request refused
+before it writes leaves none). It is a small JSON object: `version` (`JOURNAL_VERSION`), who wrote it
+(`holder_info`) and what the write needs to be finished (a delete's `doc_ids`). Found by the next
+holder of the lock, it means the last writer died mid-way (`interrupted()`): verify then finishes an
+interrupted delete, or reports an interrupted ingest and keeps the blobs the resumed ingest will use.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from fusionrag_core.store.base import KVStore
 
 LOCK_FILE = ".writer.lock"
 JOURNAL_FILE = ".writer.journal"
+JOURNAL_VERSION = 1
 _POLL_S = 0.2
 
 
@@ -84,13 +87,31 @@ class WriterLock(ABC):
             "at a time: let it finish (or stop it), or wait for it (CLI: --wait SECONDS)"
         )
 
-    def begin(self) -> None:
-        """Record that a write that must finish (ingest, delete) is under way."""
-        self._write_journal(json.dumps(holder_info(self.action)))
+    def begin(self, **details: Any) -> None:
+        """Record that a write that must finish (ingest, delete) is under way.
+
+        Args:
+            details: JSON values saying what the write does, so whoever finds the record can finish
+                it (a delete: `action="delete", doc_ids=[...]`); `action` defaults to the lock's.
+        """
+        self._write_journal(json.dumps({"version": JOURNAL_VERSION, **holder_info(self.action), **details}))
 
     def end(self) -> None:
         """The write recorded by `begin` finished: clear the record."""
         self._write_journal(None)
+
+    @contextlib.contextmanager
+    def journaled(self, **details: Any) -> Iterator[None]:
+        """`with lock.journaled(...):` records the block (`begin(**details)`) and clears the record
+        (`end`) only when the block completes: an exception or a crash inside it leaves the record."""
+        self.begin(**details)
+        yield
+        self.check()  # NOTE: a writer that lost the lock must not clear what the new holder records.
+        self.end()
+
+    def check(self) -> None:
+        """Raise CorpusLockedError if this writer no longer holds the lock (a file lock never loses it)."""
+        return None  # NOTE: the kernel holds a flock until the process dies; a Redis lock can expire
 
     def interrupted(self) -> dict[str, Any] | None:
         """Who began a write and died before ending it (read while holding the lock), or None."""
@@ -316,13 +337,10 @@ def writing(store: KVStore, action: str, *, wait_s: float = 0.0, journal: bool =
         CorpusLockedError: another writer holds the lock; or this one lost it mid-way (Redis TTL).
     """
     with writer_lock(store, action, wait_s=wait_s) as lock:
-        if journal:
-            lock.begin()
-        yield lock
-        if isinstance(lock, RedisWriterLock):
-            lock.check()
-        if journal:
-            lock.end()
+        with lock.journaled() if journal else contextlib.nullcontext():
+            yield lock
+        lock.check()
 
 
-__all__ = ["JOURNAL_FILE", "LOCK_FILE", "FileWriterLock", "RedisWriterLock", "WriterLock", "writer_lock", "writing"]
+__all__ = ["JOURNAL_FILE", "JOURNAL_VERSION", "LOCK_FILE", "FileWriterLock", "RedisWriterLock", "WriterLock",
+           "writer_lock", "writing"]

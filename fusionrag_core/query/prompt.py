@@ -17,6 +17,7 @@ segment records which route found it (`Segment.found_by`).
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -37,11 +38,14 @@ QUESTION_TEMPLATE = "Question: {question}"
 
 _SENTINEL_CONTEXT, _SENTINEL_QUESTION = "\ue010CONTEXT\ue010", "\ue011QUESTION\ue011"
 # NOTE: a special-token string inside a message's content (`<|im_start|>` typed by a user or held by
-# a document) is replaced by ESCAPE_OPEN index ESCAPE_CLOSE before the chat template renders it, and
-# the escape is tokenized as plain text: only the template's own special strings become control tokens.
-# An escape a user writes is harmless: it too is tokenized as plain text.
+# a document) is replaced by ESCAPE_OPEN nonce index ESCAPE_CLOSE before the chat template renders it,
+# and the escape is tokenized as plain text: only the template's own special strings become control
+# tokens. The nonce is drawn per process, so no text can write an escape: text holding these code
+# points, or anything that looks like an escape, is left as written and read as written (unescaping
+# it would turn a document's own characters into a special-token string).
 _ESCAPE_OPEN, _ESCAPE_CLOSE = "\ue005", "\ue006"
-_ESCAPE_RE = re.compile(f"{_ESCAPE_OPEN}([0-9]{{1,4}}){_ESCAPE_CLOSE}")
+_ESCAPE_NONCE = secrets.token_hex(8)
+_ESCAPE_RE = re.compile(f"{_ESCAPE_OPEN}{_ESCAPE_NONCE}([0-9]{{1,4}}){_ESCAPE_CLOSE}")
 
 
 FoundBy = Literal["given", "mark", "content", "document", "mark_then_content", "mark_then_document"]
@@ -200,7 +204,7 @@ class PromptLayout:
         if self._special_re is None:
             return text
         index = self._special_index
-        return self._special_re.sub(lambda m: f"{_ESCAPE_OPEN}{index[m.group(0)]}{_ESCAPE_CLOSE}", text)
+        return self._special_re.sub(lambda m: _escape(index[m.group(0)]), text)
 
     def unescape(self, text: str) -> str:
         """`escape`'s inverse: the text as the user or the document wrote it."""
@@ -212,14 +216,13 @@ class PromptLayout:
         parts = _ESCAPE_RE.split(text)  # [template text, escape index, template text, ...]
         for j, part in enumerate(parts):
             if j % 2:
-                escaped = f"{_ESCAPE_OPEN}{part}{_ESCAPE_CLOSE}"
-                ids += tokenize_plain(self.tokenizer, self._special_at(escaped, int(part)))
+                ids += tokenize_plain(self.tokenizer, self._special_at(_escape(int(part)), int(part)))
             elif part:
                 ids += tokenize_template(self.tokenizer, part)
         return ids
 
     def _special_at(self, escaped: str, i: int) -> str:
-        # NOTE: a escape index out of range was written by a user, not by `escape`: it stays as written.
+        # NOTE: only `escape` writes escapes (the nonce); an index out of range stays as written anyway.
         return self._specials[i] if i < len(self._specials) else escaped
 
     def from_messages(
@@ -367,6 +370,11 @@ def _document_spans(text: str, documents: Mapping[str, str],
                 found.append(spans[-1])
             at = text.find(doc, end)
     return found
+
+
+def _escape(index: int) -> str:
+    """The escape of the special-token string at `index` (see `_ESCAPE_OPEN`)."""
+    return f"{_ESCAPE_OPEN}{_ESCAPE_NONCE}{index}{_ESCAPE_CLOSE}"
 
 
 def _special_strings(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:

@@ -10,11 +10,17 @@ prompt holding it finds the cache by content (`recognise.ContentIndex`).
 Learned caches live in their own directory (a disk KV store, a content index and an LRU table),
 bounded in bytes: the least recently used are evicted first. `reuse.ReuseSources` is what a
 request reads: the caches of an index (ingested) first, then the learned ones.
+
+Learning is best-effort: a cache that cannot be written (a full disk, a quota, a read-only
+directory) is skipped, the request's answer is unaffected, and one warning per cause says why.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -22,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.errors import CacheMismatchError, InvalidRequestError
 from fusionrag_core.ingest.chunking import ChunkingConfig, chunk_id
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.stitch import Stitched
@@ -31,11 +37,18 @@ from fusionrag_core.runtime.kv import ChunkKV
 from fusionrag_core.store.codec import StorageDType
 from fusionrag_core.store.disk import DiskKVStore
 
+logger = logging.getLogger("fusionrag")
+
 DEFAULT_MAX_BYTES = 2 << 30
 """Default bound of a learned-cache directory: 2 GiB (~2,000 SmolLM2 chunks of 256 tokens in fp16)."""
 # NOTE: learned ids use the default chunking settings, so a text learned here gets the id that
 # FusionKVTransform gives it (ingested and learned caches of one text share a key).
 _CHUNKING = ChunkingConfig()
+
+
+STORAGE_ERRORS: tuple[type[Exception], ...] = (OSError, sqlite3.OperationalError)
+"""What writing learned caches raises when their directory cannot take them (ENOSPC, EDQUOT, EROFS,
+EACCES..., SQLite's "database or disk is full"): learning is skipped, never the answer."""
 
 
 def content_id(text: str, fingerprint: str) -> str:
@@ -69,6 +82,29 @@ CREATE INDEX IF NOT EXISTS learned_by_use ON learned (used);
 """
 
 
+class SkippedLearning:
+    """Warns once per cause (an errno, a SQLite error) that learned caches could not be written."""
+
+    def __init__(self) -> None:
+        self._causes: set[str] = set()
+        self._lock = threading.Lock()
+
+    def report(self, root: Path, error: Exception) -> None:
+        """Log that caches under `root` were not kept because of `error`, unless its cause was logged."""
+        if isinstance(error, OSError) and error.errno is not None:
+            cause = errno.errorcode.get(error.errno, str(error.errno))
+        else:
+            cause = str(getattr(error, "sqlite_errorname", "") or error)
+        with self._lock:
+            if cause in self._causes:
+                return
+            self._causes.add(cause)
+        logger.warning(
+            "FusionRAG could not keep learned caches in %s (%s: %s); answers are unaffected, but no cache is "
+            "learned while this lasts: free space there, move them (learned_dir=) or turn learning off "
+            "(learn=False) (this warning is shown once per cause)", root, cause, error)
+
+
 class LearnedCaches:
     """A bounded, LRU directory of caches learned from requests of one model.
 
@@ -76,6 +112,9 @@ class LearnedCaches:
         root: the directory (created if missing); one per model (see `paths.learned_dir`).
         fingerprint: the model's fingerprint; caches of other models are never stored here.
         config: bound and dtype.
+
+    Raises:
+        CacheMismatchError: the directory holds caches another model learned.
     """
 
     def __init__(self, root: Path | str, fingerprint: str, config: LearnConfig | None = None) -> None:
@@ -83,6 +122,14 @@ class LearnedCaches:
         self.fingerprint = fingerprint
         self.config = config or LearnConfig()
         self.store = DiskKVStore(self.root / "kv", storage_dtype=self.config.storage_dtype)
+        found = self.store.stored_fingerprints()
+        if found and fingerprint not in found:
+            raise CacheMismatchError(
+                f"learned caches at {self.root} were learned by another model (fingerprint {min(found)[:12]}), "
+                f"not by this one ({fingerprint[:12]}); give each model its own learned_dir= (the default, "
+                "<data_dir>/learned/<model fingerprint>, is one per model)"
+            )
+        self.skipped = SkippedLearning()
         self.index = ContentIndex(self.root / "content")
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.root / "lru.sqlite", check_same_thread=False, timeout=30.0)
@@ -91,6 +138,9 @@ class LearnedCaches:
 
     def learn(self, prompt: FusionPrompt, st: Stitched) -> None:
         """Keep the computed K/V of every learnable chunk of `prompt` that had no cache.
+
+        Best-effort: when the directory cannot take a cache (`STORAGE_ERRORS`), that cache and the
+        request's others are skipped, with one warning per cause (`skipped`), and nothing is raised.
 
         NOTE: call after the recompute pass (as `FusionEngine.stream(learn=...)` does): only then
         do the chunk's slots hold its K/V. The slices are copies, so the request's buffer is free.
@@ -104,16 +154,36 @@ class LearnedCaches:
             kv = ChunkKV(seg.token_ids.cpu(), keys, values, st.buf.positions[slots].clone(), self.fingerprint,
                          "fused")
             before = [c for c in seen[:seen.index(seg.chunk_id)] if c != seg.chunk_id]
-            self._put(seg.chunk_id, seg.text, kv, before)
+            try:
+                self._put(seg.chunk_id, seg.text, kv, before)
+            except STORAGE_ERRORS as e:
+                self.skipped.report(self.root, e)
+                return  # NOTE: the request's other caches would meet the same full disk
 
     def _put(self, chunk_id: str, text: str, kv: ChunkKV, neighbours: Sequence[str]) -> None:
-        self.store.put(chunk_id, kv)
-        self.index.add([(chunk_id, text)])
-        with self._lock, self._db:
-            self._db.execute("INSERT OR REPLACE INTO learned VALUES (?, ?, ?, ?)",
-                             (chunk_id, kv.nbytes // _shrink(kv, self.config.storage_dtype), time.time(),
-                              json.dumps(list(neighbours))))
+        """Store one cache with its content-index and LRU rows; when any of the three fails, none stays."""
+        self.store.put(chunk_id, kv)  # NOTE: atomic: a failed put leaves no file (`DiskKVStore.put`)
+        try:
+            nbytes = self.store.path_for(chunk_id, kv.variant).stat().st_size
+            self.index.add([(chunk_id, text)])
+            with self._lock, self._db:
+                self._db.execute("INSERT OR REPLACE INTO learned VALUES (?, ?, ?, ?)",
+                                 (chunk_id, nbytes, time.time(), json.dumps(list(neighbours))))
+        except BaseException:
+            self._forget(chunk_id)
+            raise
         self._evict()
+
+    def _forget(self, chunk_id: str) -> None:
+        """Drop what a failed `_put` may have written of `chunk_id`: its blob first, so no lookup can
+        reach a cache the LRU table does not bound. Best-effort: the failure being handled stays the one raised."""
+        for drop in (self.store.delete, lambda c: self.index.remove([c]), self._delete_row):
+            with contextlib.suppress(*STORAGE_ERRORS):
+                drop(chunk_id)
+
+    def _delete_row(self, chunk_id: str) -> None:
+        with self._lock, self._db:
+            self._db.execute("DELETE FROM learned WHERE chunk_id = ?", (chunk_id,))
 
     def _evict(self) -> None:
         """Drop least recently used caches until the directory fits `max_bytes`."""
@@ -150,15 +220,9 @@ class LearnedCaches:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of learned caches (as stored)."""
+        """Bytes of learned caches: their blob files' sizes."""
         with self._lock:
             return int(self._db.execute("SELECT coalesce(sum(nbytes), 0) FROM learned").fetchone()[0])
-
-
-def _shrink(kv: ChunkKV, storage_dtype: StorageDType) -> int:
-    """How many times smaller a cache is once stored (float32 computed, float16 stored: 2)."""
-    stored = {"float32": 4, "float16": 2, "bfloat16": 2}[storage_dtype]
-    return max(1, kv.keys.element_size() // stored)
 
 
 _open: dict[Path, LearnedCaches] = {}
@@ -184,4 +248,5 @@ def open_learned(root: Path | str, fingerprint: str, config: LearnConfig | None 
         return learned
 
 
-__all__ = ["DEFAULT_MAX_BYTES", "LearnConfig", "LearnedCaches", "content_id", "open_learned"]
+__all__ = ["DEFAULT_MAX_BYTES", "STORAGE_ERRORS", "LearnConfig", "LearnedCaches", "SkippedLearning", "content_id",
+           "open_learned"]

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from fusionrag_core.engine import FusionEngine, Generation
-from fusionrag_core.errors import CacheNotFoundError, InvalidRequestError
+from fusionrag_core.errors import CacheMismatchError, CacheNotFoundError, InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.recognise.content_index import Match, content_index_for
 from fusionrag_core.reuse.learned import LearnedCaches, content_id
@@ -48,6 +48,7 @@ class ReuseSources(KVStore):
         self.learned = learned
         self.learning = learned is not None if learning is None else learning
         self.primary_index = content_index_for(primary) if primary is not None else None
+        self.retrieved = 0  # NOTE: how many retrieved documents `prompt` was given (read by `diagnose`)
 
     def find(self, text: str) -> list[Match]:
         """Stored chunks found by content in `text`: the index's first, learned ones in the gaps."""
@@ -64,6 +65,7 @@ class ReuseSources(KVStore):
         retrieved for this request) become learnable chunks where they occur, if learning is on.
         A mark whose id has no cache here is found by its text (see `PromptLayout.from_messages`)."""
         docs: dict[str, str] = {}
+        self.retrieved = sum(1 for text in documents if text.strip())
         if self.learning:
             for text in documents:
                 text = text.strip()
@@ -97,15 +99,40 @@ class ReuseSources(KVStore):
         return any(part is not None and part.has(chunk_id, variant) for part in (
             self.primary, self.learned.store if self.learned is not None else None))
 
-    def delete(self, chunk_id: str) -> None:
+    def delete(self, chunk_id: str, variant: Variant | None = None) -> None:
         if self.primary is not None:
-            self.primary.delete(chunk_id)
+            self.primary.delete(chunk_id, variant)
+
+    def quarantine(self, chunk_id: str, variant: Variant) -> str | None:
+        """Set the blob aside in the part `get` read it from: the primary store when it holds the
+        entry, else the learned caches (see `KVStore.quarantine`; the part's errors propagate)."""
+        for part in (self.primary, self.learned.store if self.learned is not None else None):
+            if part is not None and part.has(chunk_id, variant):
+                return part.quarantine(chunk_id, variant)
+        return None  # NOTE: neither holds it any more: another request set it aside first
 
     def list_ids(self, variant: Variant | None = None) -> set[str]:
         return self.primary.list_ids(variant) if self.primary is not None else set()
 
     def close(self) -> None:
         """Nothing to release: the parts belong to their owners."""
+
+
+def check_store_model(engine: FusionEngine, store: KVStore) -> None:
+    """Refuse a KV store whose caches another model computed: not one of them could be reused.
+
+    A store that cannot tell whose caches it holds (`KVStore.stored_fingerprints`) is accepted.
+
+    Raises:
+        CacheMismatchError: naming both models and the fix.
+    """
+    found = store.backend.stored_fingerprints()
+    if found and engine.fingerprint not in found:
+        raise CacheMismatchError(
+            f"KV store {store.backend!r} holds caches computed by another model (fingerprint {min(found)[:12]}), "
+            f"not by {engine.name!r} (fingerprint {engine.fingerprint[:12]}), so none could be reused; load the "
+            "model it was built with, or pass another data_dir= / store= (one ingested with this model)"
+        )
 
 
 def learned_ids(prompt: FusionPrompt, generation: Generation, sources: ReuseSources) -> list[str]:
@@ -149,6 +176,8 @@ def diagnose(prompt: FusionPrompt, generation: Generation, sources: ReuseSources
     if generation.cache_misses:
         return ("chunks were found but their caches are missing or do not match (" + reasons[:200] + "); run "
                 "`fusionrag verify` / ingest again for this store")
+    if sources.primary_index is not None and sources.primary_index.problem is not None:
+        return f"{sources.primary_index.problem}; {sources.primary_index.fix}"
     if sources.primary is None and not sources.learning:
         return ("no KV store is attached and learning is off; pass index= or store= (the store ingest wrote), "
                 "or turn learning on")
@@ -158,10 +187,19 @@ def diagnose(prompt: FusionPrompt, generation: Generation, sources: ReuseSources
     if sources.primary_index is not None and len(sources.primary_index) == 0 and not sources.learning:
         return ("the store holds no indexed chunk text: ingest the documents (FusionIndex.add_texts, "
                 "FusionVectorStore, FusionKVTransform) or turn learning on")
+    if sources.learning and sources.retrieved:
+        # NOTE: the retriever ran and its documents were learnable: they are not in the prompt as returned.
+        return (f"the context matches no stored chunk verbatim, and none of the {sources.retrieved} documents "
+                "retrieved for this request occurs in it as the retriever returned it (the prompt changed their "
+                "text: reformatted, truncated, metadata added); put the retrieved texts into the prompt unchanged, "
+                "or ingest the documents as the prompt shows them")
+    if not sources.learning:
+        return ("the context matches no stored chunk verbatim (documents changed or were split differently after "
+                "ingest); ingest these documents, or turn learning on so that retrieved documents are learned")
     return ("the context matches no stored chunk verbatim (documents changed or were split differently after "
             "ingest, or they were not retrieved through a LangChain retriever / LlamaIndex retriever this "
             "model could learn from); ingest these documents, or retrieve them with a framework retriever so "
             "learned caches pick them up from the next request on")
 
 
-__all__ = ["MIN_CONTEXT_TOKENS", "ReuseMonitor", "ReuseSources", "diagnose", "learned_ids"]
+__all__ = ["MIN_CONTEXT_TOKENS", "ReuseMonitor", "ReuseSources", "check_store_model", "diagnose", "learned_ids"]

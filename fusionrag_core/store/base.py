@@ -88,8 +88,8 @@ class KVStore(ABC):
         """Whether an entry exists for `(chunk_id, variant)` (not whether it is valid)."""
 
     @abstractmethod
-    def delete(self, chunk_id: str) -> None:
-        """Remove every variant of `chunk_id`; a missing entry is not an error."""
+    def delete(self, chunk_id: str, variant: Variant | None = None) -> None:
+        """Remove `variant` of `chunk_id` (every variant when None); a missing entry is not an error."""
 
     def quarantine(self, chunk_id: str, variant: Variant) -> str | None:
         """Set the blob of `(chunk_id, variant)` aside (it failed validation): afterwards the store
@@ -100,12 +100,19 @@ class KVStore(ABC):
 
         Raises:
             NotImplementedError: the backend cannot (the disk and Redis stores can); the blob stays.
+            ReadOnlyError: this process cannot write the store (a read-only directory); the blob stays.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot set a bad blob aside")
 
     def free_bytes(self) -> int | None:
         """Room left for new blobs, in bytes; None when the backend cannot tell."""
         return None
+
+    def stored_fingerprints(self) -> set[str]:
+        """The model fingerprints a few stored blobs record: whose caches the store holds (a store
+        holds one model's, as its collection records). Empty when the store is empty, or when the
+        backend cannot tell cheaply (a cache-tier wrapper: ask its `backend`)."""
+        return set()
 
     @abstractmethod
     def list_ids(self, variant: Variant | None = None) -> set[str]:

@@ -349,6 +349,22 @@ def decode_file(
                       shape=shape, device=device, dtype=dtype)
 
 
+def recorded_fingerprint(path: Path) -> str | None:
+    """The model fingerprint a blob file's header records, read without its tensors.
+
+    Unchecked (the checksum is not verified): a hint of whose caches a store holds, not a load.
+    None when the file is no readable fusionrag blob; `decode_file` judges such a file when it is loaded.
+    """
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+    except Exception:  # NOTE: SafetensorError (and OSError) on a missing, truncated or garbled file.
+        return None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        return None
+    return meta.get("fingerprint") or None
+
+
 def _check_format(meta: dict[str, str], source: str) -> None:
     if meta.get("format") != FORMAT_NAME:
         raise _corrupt(source, f"not a fusionrag KV blob (format={meta.get('format')!r})")

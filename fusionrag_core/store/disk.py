@@ -9,22 +9,33 @@ never a partial one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from fusionrag_core.errors import CacheNotFoundError, InvalidRequestError
+from fusionrag_core.errors import CacheNotFoundError, InvalidRequestError, ReadOnlyError
 from fusionrag_core.runtime.kv import VARIANTS, ChunkKV, Variant
 from fusionrag_core.store.base import KVStore
-from fusionrag_core.store.codec import StorageDType, decode_file, encode_blob, validate_chunk_id, validate_variant
+from fusionrag_core.store.codec import (
+    StorageDType,
+    decode_file,
+    encode_blob,
+    recorded_fingerprint,
+    validate_chunk_id,
+    validate_variant,
+)
 
 _SUFFIX = ".safetensors"
 QUARANTINE_DIR = ".quarantine"
 """Where blobs that failed validation are moved (`quarantine`); its leading dot hides it from `list_ids`."""
+# NOTE: what writing a directory this process may not change raises (a read-only mount, file modes).
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 class DiskKVStore(KVStore):
@@ -75,7 +86,7 @@ class DiskKVStore(KVStore):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp_name)
             raise
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
     def get(
         self,
@@ -100,20 +111,29 @@ class DiskKVStore(KVStore):
     def has(self, chunk_id: str, variant: Variant) -> bool:
         return self.path_for(chunk_id, variant).is_file()
 
-    def delete(self, chunk_id: str) -> None:
-        for variant in VARIANTS:
+    def delete(self, chunk_id: str, variant: Variant | None = None) -> None:
+        for v in VARIANTS if variant is None else (validate_variant(variant),):
             with contextlib.suppress(FileNotFoundError):
-                self.path_for(chunk_id, variant).unlink()
+                self.path_for(chunk_id, v).unlink()
 
     def quarantine(self, chunk_id: str, variant: Variant) -> str | None:
-        """Move the blob to `root/.quarantine/` (never listed, never read), keeping its bytes."""
+        """Move the blob to `root/.quarantine/` (never listed, never read), keeping its bytes.
+
+        Raises:
+            ReadOnlyError: this process cannot write the store's directory; the blob stays.
+        """
         path = self.path_for(chunk_id, variant)
         target = self.root / QUARANTINE_DIR / f"{path.stem}.{time.time_ns()}{_SUFFIX}"
-        target.parent.mkdir(exist_ok=True)
         try:
-            os.rename(path, target)  # NOTE: atomic: of two threads setting it aside, one moves it.
-        except FileNotFoundError:
-            return None
+            target.parent.mkdir(exist_ok=True)
+            try:
+                os.rename(path, target)  # NOTE: atomic: of two threads setting it aside, one moves it.
+            except FileNotFoundError:
+                return None
+        except OSError as e:
+            if e.errno not in _NOT_WRITABLE:
+                raise
+            raise ReadOnlyError(f"the KV store {self.root} is read-only for this process ({e.strerror})") from e
         return str(target)
 
     def free_bytes(self) -> int | None:
@@ -122,7 +142,21 @@ class DiskKVStore(KVStore):
 
     def list_ids(self, variant: Variant | None = None) -> set[str]:
         wanted = VARIANTS if variant is None else (validate_variant(variant),)
-        ids: set[str] = set()
+        return {chunk_id for _, chunk_id, stored in self._blobs() if stored in wanted}
+
+    def stored_fingerprints(self, sample: int = 3) -> set[str]:
+        """The fingerprints recorded in the headers of the first `sample` blobs found (no tensor is read)."""
+        found: set[str] = set()
+        for i, (path, _, _) in enumerate(self._blobs()):
+            if i == sample:
+                break
+            fingerprint = recorded_fingerprint(Path(path))
+            if fingerprint is not None:
+                found.add(fingerprint)
+        return found
+
+    def _blobs(self) -> Iterator[tuple[str, str, str]]:
+        """`(path, chunk id, variant)` of every blob file, in directory order (lazily: stop any time)."""
         with os.scandir(self.root) as shards:
             for shard in shards:
                 if not shard.is_dir() or shard.name.startswith("."):
@@ -135,9 +169,8 @@ class DiskKVStore(KVStore):
                         if name.startswith(".") or not name.endswith(_SUFFIX):
                             continue
                         parts = name[: -len(_SUFFIX)].split(".")
-                        if len(parts) == 2 and parts[1] in wanted:
-                            ids.add(parts[0])
-        return ids
+                        if len(parts) == 2:
+                            yield entry.path, parts[0], parts[1]
 
     def close(self) -> None:
         """Nothing to release: files are opened per call."""
@@ -146,7 +179,7 @@ class DiskKVStore(KVStore):
         return f"DiskKVStore(root={str(self.root)!r}, storage_dtype={self.storage_dtype!r})"
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Persist a rename: fsync the directory entry (POSIX only; a no-op where unsupported)."""
     try:
         fd = os.open(directory, os.O_RDONLY)

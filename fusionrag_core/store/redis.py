@@ -157,12 +157,13 @@ class RedisKVStore(KVStore):
         with self._errors("read from"):
             return bool(self._client.exists(key))
 
-    def delete(self, chunk_id: str) -> None:
-        keys = [self._key(chunk_id, v) for v in VARIANTS]
+    def delete(self, chunk_id: str, variant: Variant | None = None) -> None:
+        variants = VARIANTS if variant is None else (validate_variant(variant),)
+        keys = [self._key(chunk_id, v) for v in variants]
         with self._errors("delete from"):
             pipe = self._client.pipeline(transaction=True)
             pipe.delete(*keys)
-            for v in VARIANTS:
+            for v in variants:
                 pipe.srem(self._index(v), chunk_id)
             pipe.execute()
 

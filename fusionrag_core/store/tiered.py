@@ -209,9 +209,9 @@ class TieredKVStore(KVStore):
     def has(self, chunk_id: str, variant: Variant) -> bool:
         return self.inner.has(chunk_id, variant)
 
-    def delete(self, chunk_id: str) -> None:
-        self._forget(chunk_id)
-        self.inner.delete(chunk_id)
+    def delete(self, chunk_id: str, variant: Variant | None = None) -> None:
+        self._forget(chunk_id, ("independent", "fused") if variant is None else (variant,))
+        self.inner.delete(chunk_id, variant)
 
     def quarantine(self, chunk_id: str, variant: Variant) -> str | None:
         self._forget(chunk_id, (variant,))

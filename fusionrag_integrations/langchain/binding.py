@@ -43,9 +43,12 @@ class FusionRAGModelFields(OptionFields, ReuseFields):
     """Fields and engine binding shared by `ChatFusionRAG` and `FusionRAGLLM`.
 
     Where engine and caches come from, in order: `index` (its engine and KV store); `engine` (an
-    already loaded FusionEngine) with `store` (None: no chunk cache is reused, every chunk is
-    prefilled and reported in `cache_miss_ids`); else `model` is loaded on first use and reads
-    `store`, or the disk store that `FusionIndex.open(data_dir, collection_name=...)` writes.
+    already loaded FusionEngine) with `store`, else the disk store that `FusionIndex.open(data_dir,
+    collection_name=...)` writes when `data_dir` or `collection_name` is given (neither: no chunk
+    cache is reused, every chunk is prefilled and reported in `cache_miss_ids`); else `model` is
+    loaded on first use and reads `store`, or that disk store. A store or learned caches of another
+    model are refused with `CacheMismatchError` when the session is made: at construction with
+    `engine` or `index`, at the first request with `model`.
     Sampling and selection fields (`OptionFields`) are the defaults of every call; learning
     fields (`ReuseFields`) configure the model's `ReuseSession`. Documents a LangChain retriever
     returned in this model's run (same chain) are the ones it may learn.
@@ -65,7 +68,8 @@ class FusionRAGModelFields(OptionFields, ReuseFields):
     """KV store of chunk caches (e.g. `fusionrag_core.store.open_store(...)`)."""
     collection_name: str = DEFAULT_COLLECTION
     """Collection whose disk KV store under `data_dir` is read when neither `index` nor `store` names
-    one (`FusionIndex.open(data_dir, collection_name=...)`)."""
+    one (`FusionIndex.open(data_dir, collection_name=...)`); with `engine`, only when this or
+    `data_dir` is given."""
     device: str | None = None
     """Device to load `model` on (default CUDA if available, else CPU); alias `device_map` (one
     device: "auto", "cpu", "cuda:N"; an int is a pipeline index, -1 = CPU)."""
@@ -107,6 +111,8 @@ class FusionRAGModelFields(OptionFields, ReuseFields):
         # NOTE: built once here so a bad value fails at construction, with the core's own message.
         self.request_options({})
         self.reuse_config()
+        if self.engine is not None or self.index is not None:
+            self.reuse_session()  # NOTE: loads nothing; another model's store is refused now, not per request
         return self
 
     @classmethod
@@ -196,11 +202,13 @@ class FusionRAGModelFields(OptionFields, ReuseFields):
     def _load(self) -> tuple[FusionEngine, KVStore | None]:
         if self.index is not None:
             return self.index.engine, self.index.store
-        if self.engine is not None:
-            return self.engine, self.store
         store = self.store
-        if store is None:  # NOTE: the disk store FusionIndex.open(data_dir, collection_name=...) writes.
+        # NOTE: the disk store FusionIndex.open(data_dir, collection_name=...) writes; a given engine
+        # reads it only when named, so an engine alone touches no directory.
+        if store is None and (self.engine is None or self.model_fields_set & {"data_dir", "collection_name"}):
             store = DiskKVStore(kv_dir(self.data_dir, self.collection_name))
+        if self.engine is not None:
+            return self.engine, store
         return FusionEngine.from_pretrained(self.model, device=self.device, dtype=self.dtype), store
 
     def reuse_prompt(self, messages: Sequence[Mapping[str, str]], run_id: UUID | None,
@@ -210,7 +218,8 @@ class FusionRAGModelFields(OptionFields, ReuseFields):
 
         Args:
             messages: role/content dicts (`messages.to_chat_dicts`).
-            run_id: this model's LangChain run (None: no retrieved documents are known).
+            run_id: this model's LangChain run (None, when LangChain streams without handing the model
+                its run: the run of the step calling it, `observe.calling_run_id`).
             sources: the request's sources (default: those of a call with this model's own options).
         """
         session = self.reuse_session()

@@ -96,7 +96,7 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
             messages: the conversation; chunks marked in its text are recognised.
             documents: None, or the passages of a canonical prompt (then `messages` is one human
                 question, optionally after one system instruction).
-            run_id: this model's LangChain run, whose retrieved documents may be learned.
+            run_id: this model's LangChain run, whose retrieved documents may be learned (see `reuse_prompt`).
             sources: the request's sources (see `reuse_prompt`).
 
         Raises:
@@ -138,6 +138,8 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
         options = self.request_options(kwargs, stop=stop)
         session = self.reuse_session()
         sources = session.sources(options)
+        # NOTE: LangChain's stream/astream (and streaming invoke) pass no run manager; None then finds
+        # the trace through the step calling this model (`observe.retrieved_texts`).
         run_id = run_manager.run_id if run_manager is not None else None
         prompt = self.fusion_prompt(messages, documents, run_id, sources)
         for piece in session.run(prompt, options, sources):

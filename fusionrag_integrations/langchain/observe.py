@@ -5,7 +5,10 @@ A FusionRAG model learns the KV cache of a retrieved document from the prompt th
 LCEL chain the retriever and the model are sibling runs of one trace; a model sees only its own
 run. `RetrievalObserver` is one process-wide callback handler, added to every LangChain run through
 LangChain's configure hook (the mechanism its tracers use): it records each run's parent and, per
-trace (root run), the texts its retrievers returned. The model looks its own trace up by run id.
+trace (root run), the texts its retrievers returned. The model looks its own trace up by run id;
+where LangChain does not hand the model its run (`stream`, `astream`, `invoke` with streaming on
+call `_stream` without a run manager), by the run of the step that called it, read from the
+runnable config LangChain keeps for the running step: a run of the same trace.
 
 Only ids and texts are kept, never tensors; at most `MAX_RUNS` runs are remembered (oldest
 forgotten first) and a trace is forgotten when its root run ends. `observing(False)` turns it off.
@@ -20,8 +23,9 @@ from contextvars import ContextVar
 from typing import Any
 from uuid import UUID
 
-from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.callbacks import BaseCallbackHandler, BaseCallbackManager
 from langchain_core.documents import Document
+from langchain_core.runnables import ensure_config
 from langchain_core.tracers.context import register_configure_hook
 
 MAX_RUNS = 10_000
@@ -105,8 +109,22 @@ def observing(enabled: bool) -> None:
 
 
 def retrieved_texts(run_id: UUID | None) -> list[str]:
-    """The texts retrievers returned in the trace of `run_id` (a model's run), in retrieval order."""
-    return OBSERVER.documents_for(run_id)
+    """The texts retrievers returned in the trace of `run_id` (a model's run), in retrieval order.
+
+    `run_id` None (LangChain called the model without its run manager): the trace of the step
+    running now, found through its caller's run (`calling_run_id`).
+    """
+    return OBSERVER.documents_for(run_id if run_id is not None else calling_run_id())
 
 
-__all__ = ["MAX_RUNS", "OBSERVER", "RetrievalObserver", "observing", "retrieved_texts"]
+def calling_run_id() -> UUID | None:
+    """The run of the runnable step that is calling the current code (None outside any chain).
+
+    NOTE: a step's child config (`ensure_config()`, LangChain's context variable for the running
+    step) carries the callback manager its children are started under, whose parent is that step.
+    """
+    callbacks = ensure_config().get("callbacks")
+    return callbacks.parent_run_id if isinstance(callbacks, BaseCallbackManager) else None
+
+
+__all__ = ["MAX_RUNS", "OBSERVER", "RetrievalObserver", "calling_run_id", "observing", "retrieved_texts"]

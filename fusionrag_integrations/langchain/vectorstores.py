@@ -109,6 +109,8 @@ class FusionRAGVectorStore(VectorStore):
         InvalidRequestError: an unknown argument (the message names the closest valid one), two
             arguments that pick different places, or a collection built otherwise (another
             embedding model, another space, another model's caches: see `FusionIndex`).
+        ReadOnlyError: `persist_directory` (or `data_dir`) is a directory this process cannot write;
+            embedded Chroma writes there even to read (the message names it and what to do).
 
     Example:
         >>> store = FusionRAGVectorStore(collection_name="docs", embedding_function=embeddings,
@@ -568,11 +570,8 @@ def _place(
     if persist_directory is None and data_dir is not None:
         persist_directory = chroma_dir(data_dir)
     if persist_directory is not None:
-        # NOTE: an absolute path names one database (see chroma.open_client).
         path = Path(persist_directory).expanduser().resolve()
-        path.mkdir(parents=True, exist_ok=True)
-        return _Place(chromadb.PersistentClient(path=str(path), settings=settings, **scope), "persistent", str(path),
-                      str(path))
+        return _Place(chroma.persistent_client(path, settings, **scope), "persistent", str(path), str(path))
     return _Place(chromadb.EphemeralClient(settings=settings, **scope), "memory", None, "the in-memory Chroma")
 
 

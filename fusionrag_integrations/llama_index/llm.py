@@ -40,9 +40,10 @@ from llama_index.core.types import PydanticProgramMode
 
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.paths import DEFAULT_COLLECTION, kv_dir
 from fusionrag_core.recognise.marks import clean_output
 from fusionrag_core.runtime.loading import check_device
-from fusionrag_core.store import KVStore, open_store
+from fusionrag_core.store import DiskKVStore, KVStore, open_store
 from fusionrag_integrations.arguments import normalize_arguments
 from fusionrag_integrations.fields import OptionFields, ReuseFields
 from fusionrag_integrations.llama_index.aio import call_in_thread, iterate_in_thread
@@ -81,6 +82,10 @@ class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
     store: str | None = Field(
         default=None, description="KV store directory or redis:// URL where chunk caches are looked up by chunk id."
     )
+    collection_name: str = Field(
+        default=DEFAULT_COLLECTION, description="Collection whose disk KV store under data_dir is read when no store "
+        "is given and data_dir or collection_name is (FusionIndex.open(data_dir, collection_name=...))."
+    )
     max_new_tokens: int = Field(default=64, description="Generation budget per call (LLMMetadata.num_output).")
 
     _engine: FusionEngine | None = PrivateAttr(default=None)
@@ -98,11 +103,15 @@ class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
         do_sample, seed, stop_strings). Any other unknown argument is an error naming the closest
         valid one; a CUDA device on a machine without CUDA fails here, before any weight is read.
 
-        `kv_store`: an open KV store to read caches from (instead of opening `store`).
+        `kv_store`: an open KV store to read caches from (instead of opening `store`). Without
+        either, the disk store of `collection_name` under `data_dir` is read when one of those two
+        is given; else none.
 
         Raises:
             InvalidRequestError: an unknown argument or a value the engine refuses, or `engine=`
                 given together with loading options.
+            CacheMismatchError: with `engine=`, the store or learned caches hold another model's
+                caches (a lazily loaded model refuses them at its first request).
         """
         data = normalize_arguments(data, type(self).model_fields, type(self).__name__, type(self).FIELD_NAMES)
         if isinstance(data.get("dtype"), torch.dtype):
@@ -122,6 +131,8 @@ class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
         # NOTE: built once here so a bad value fails now, with the core's own message.
         self.request_options({})
         self.reuse_config()
+        if engine is not None:
+            self.reuse_session()  # NOTE: loads nothing; another model's store is refused now, not per request
 
     @classmethod
     def class_name(cls) -> str:
@@ -137,13 +148,16 @@ class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
 
     @property
     def kv_store(self) -> KVStore | None:
-        """Where chunk caches are looked up: the store at `store` (opened on first use); None: nowhere.
+        """Where chunk caches are looked up: the store at `store`, else the disk store of
+        `collection_name` under `data_dir` if either is given (opened on first use); None: nowhere.
 
         NOTE: passed to the engine per request, so one engine can serve several LLMs and stores.
         """
         with self._lock:
             if self._store is None and self.store is not None:
                 self._store = open_store(self.store)
+            elif self._store is None and self.model_fields_set & {"data_dir", "collection_name"}:
+                self._store = DiskKVStore(kv_dir(self.data_dir, self.collection_name))
         return self._store
 
     def reuse_session(self) -> ReuseSession:
@@ -179,10 +193,13 @@ class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
         return super()._get_messages(prompt, **_as_text(prompt_args))
 
     # ---- the engine call shared by every entry point --------------------------------------------
-    def _answer(self, messages: Sequence[dict[str, str]], overrides: dict[str, Any]) -> Iterator[str | Generation]:
-        """Text pieces, then the Generation; the query's retrieved nodes (instrumentation) are learnable."""
+    # NOTE: every entry point reads the query's retrieved nodes (`retrieved_texts`) when it is called,
+    # inside the query's spans: a stream's generator runs as the response is read, after they closed.
+    def _answer(self, messages: Sequence[dict[str, str]], overrides: dict[str, Any],
+                retrieved: Sequence[str]) -> Iterator[str | Generation]:
+        """Text pieces, then the Generation; the `retrieved` node texts are learnable."""
         options = self.request_options(overrides)
-        return self.reuse_session().answer(messages, options, retrieved_texts())
+        return self.reuse_session().answer(messages, options, retrieved)
 
     # ---- structured output -------------------------------------------------------------------------
     # NOTE: LlamaIndex's structured_predict / as_structured_llm run an LLMTextCompletionProgram
@@ -240,12 +257,12 @@ class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Answer a flattened prompt (sent as one user turn through the chat template)."""
-        return self._complete(prompt, formatted, kwargs)
+        return self._complete(prompt, formatted, kwargs, retrieved_texts())
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         """Like `complete`, streaming: cumulative `text`, new `delta`; the last response carries the stats."""
-        return self._stream_completion(prompt, formatted, kwargs)
+        return self._stream_completion(prompt, formatted, kwargs, retrieved_texts())
 
     # NOTE: the async entry points run the engine in a worker thread, so the event loop keeps
     # running during a generation; each is decorated once (CustomLLM's fallbacks call the decorated
@@ -253,22 +270,26 @@ class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """`complete`, off the event loop."""
-        return await call_in_thread(self._complete, prompt, formatted, kwargs)
+        return await call_in_thread(self._complete, prompt, formatted, kwargs, retrieved_texts())
 
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
         """`stream_complete`, off the event loop: each piece reaches the loop as soon as it is decoded."""
-        return iterate_in_thread(lambda: self._stream_completion(prompt, formatted, kwargs))
+        retrieved = retrieved_texts()
+        return iterate_in_thread(lambda: self._stream_completion(prompt, formatted, kwargs, retrieved))
 
-    def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
-        generation = _last(self._answer(self._completion_messages(prompt, formatted), kwargs))
+    def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any],
+                  retrieved: Sequence[str]) -> CompletionResponse:
+        generation = _last(self._answer(self._completion_messages(prompt, formatted), kwargs, retrieved))
         meta = _finished(generation)
         return CompletionResponse(text=clean_output(generation.text), additional_kwargs=meta, raw=meta)
 
-    def _stream_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
-        for text, delta, meta in _accumulate(self._answer(self._completion_messages(prompt, formatted), kwargs)):
+    def _stream_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any],
+                           retrieved: Sequence[str]) -> CompletionResponseGen:
+        messages = self._completion_messages(prompt, formatted)
+        for text, delta, meta in _accumulate(self._answer(messages, kwargs, retrieved)):
             yield CompletionResponse(text=text, delta=delta, additional_kwargs=meta, raw=meta or None)
 
     # ---- chat ------------------------------------------------------------------------------------
@@ -276,31 +297,33 @@ class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Answer a conversation rendered by the model's chat template; marked chunks are reused."""
-        return self._chat(messages, kwargs)
+        return self._chat(messages, kwargs, retrieved_texts())
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         """Like `chat`, streaming: cumulative message content, new `delta`; the last response carries the stats."""
-        return self._stream_chat(messages, kwargs)
+        return self._stream_chat(messages, kwargs, retrieved_texts())
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """`chat`, off the event loop."""
-        return await call_in_thread(self._chat, messages, kwargs)
+        return await call_in_thread(self._chat, messages, kwargs, retrieved_texts())
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         """`stream_chat`, off the event loop: each piece reaches the loop as soon as it is decoded."""
-        return iterate_in_thread(lambda: self._stream_chat(messages, kwargs))
+        retrieved = retrieved_texts()
+        return iterate_in_thread(lambda: self._stream_chat(messages, kwargs, retrieved))
 
-    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        generation = _last(self._answer([_message_dict(m) for m in messages], kwargs))
+    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], retrieved: Sequence[str]) -> ChatResponse:
+        generation = _last(self._answer([_message_dict(m) for m in messages], kwargs, retrieved))
         meta = _finished(generation)
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=clean_output(generation.text)),
                             additional_kwargs=meta, raw=meta)
 
-    def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
-        for text, delta, meta in _accumulate(self._answer([_message_dict(m) for m in messages], kwargs)):
+    def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any],
+                     retrieved: Sequence[str]) -> ChatResponseGen:
+        for text, delta, meta in _accumulate(self._answer([_message_dict(m) for m in messages], kwargs, retrieved)):
             yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
                                additional_kwargs=meta, raw=meta or None)
 

@@ -9,6 +9,11 @@ retrieved node texts under the retrieval's ancestor spans; each FusionRAGLLM cal
 statistics under its ancestors; `SynthesizeEndEvent` adds the statistics of the LLM calls made
 inside that synthesis to the response's metadata. A span's records are dropped when it ends.
 
+A streamed response is different: its LLM calls run as it is read, after the query's spans have
+ended. So `SynthesizeEndEvent` wraps its token generator: every step runs with the query's
+retrieved texts in a context variable (`retrieved_texts` falls back to it), and the statistics
+of the calls made while it is read fill its metadata once it is exhausted.
+
 Only texts and JSON-friendly statistics are kept, never tensors.
 """
 
@@ -16,9 +21,11 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
+from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
 from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent
@@ -28,10 +35,13 @@ from llama_index_instrumentation.event_handlers import BaseEventHandler
 from llama_index_instrumentation.span import SimpleSpan, active_span_id
 from llama_index_instrumentation.span_handlers import BaseSpanHandler
 
+from fusionrag_integrations.llama_index.calls import recording
+
 _SUMMED = ("prompt_tokens", "completion_tokens", "reused_tokens", "recomputed_tokens", "prefilled_tokens",
            "context_tokens", "kv_bytes_loaded", "cache_misses", "fused_chunks", "independent_chunks",
            "chunks_without_drift", "total_s")
 _MAX_DEPTH = 256
+_STREAMED: ContextVar[tuple[str, ...]] = ContextVar("fusionrag_streamed_query_texts", default=())
 
 
 class _Records:
@@ -102,18 +112,81 @@ class _Events(BaseEventHandler):
         elif isinstance(event, SynthesizeEndEvent):
             with RECORDS.lock:
                 calls = list(RECORDS.stats.get(event.span_id or "", ()))
+                retrieved = _nearest_texts(event.span_id)
             response = event.response
-            if calls and hasattr(response, "metadata"):
+            if isinstance(response, StreamingResponse | AsyncStreamingResponse) and response.response_gen is not None:
+                _stream_with(response, retrieved)
+            elif calls and hasattr(response, "metadata"):
                 response.metadata = {**(response.metadata or {}), **combined(calls)}
 
 
+def _nearest_texts(span_id: str | None) -> tuple[str, ...]:
+    """Texts retrieved under the nearest retrieving ancestor of `span_id` (lock held)."""
+    for span in RECORDS.ancestors(span_id):
+        if span in RECORDS.texts:
+            return tuple(RECORDS.texts[span])
+    return ()
+
+
+def _stream_with(response: StreamingResponse | AsyncStreamingResponse, texts: tuple[str, ...]) -> None:
+    """Read `response`'s tokens with `texts` as the query's retrieved texts; its metadata gains
+    the statistics of the LLM calls made while it is read, once it is exhausted."""
+    calls: list[dict[str, Any]] = []
+
+    def finish() -> None:
+        if calls:
+            response.metadata = {**(response.metadata or {}), **combined(calls)}
+
+    def steps(pieces: Generator[str, None, None]) -> Generator[str, None, None]:
+        try:
+            while True:
+                # NOTE: set around each step only, never across a yield: the consumer's context stays its own.
+                token = _STREAMED.set(texts)
+                try:
+                    with recording(calls):
+                        piece = next(pieces)
+                except StopIteration:
+                    finish()
+                    return
+                finally:
+                    _STREAMED.reset(token)
+                yield piece
+        finally:
+            # NOTE: a reader that stops early stops the generation too (a plain iterator has nothing to close).
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()
+
+    async def asteps(pieces: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+        try:
+            while True:
+                token = _STREAMED.set(texts)
+                try:
+                    with recording(calls):
+                        piece = await anext(pieces)
+                except StopAsyncIteration:
+                    finish()
+                    return
+                finally:
+                    _STREAMED.reset(token)
+                yield piece
+        finally:
+            aclose = getattr(pieces, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    if isinstance(response, AsyncStreamingResponse):
+        response.response_gen = asteps(response.response_gen)
+    else:
+        response.response_gen = steps(response.response_gen)
+
+
 def retrieved_texts() -> list[str]:
-    """Texts of the nodes retrieved so far under the current span's nearest retrieving ancestor."""
+    """Texts of the nodes retrieved so far under the current span's nearest retrieving ancestor;
+    outside any, those of the streamed response being read (see the module docstring)."""
     with RECORDS.lock:
-        for span in RECORDS.ancestors(active_span_id.get()):
-            if span in RECORDS.texts:
-                return list(RECORDS.texts[span])
-    return []
+        texts = _nearest_texts(active_span_id.get())
+    return list(texts or _STREAMED.get())
 
 
 def record_call(stats: Mapping[str, Any]) -> None:
