@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -279,23 +278,6 @@ def test_a_long_line_reaches_the_splitter_in_bounded_windows(
     seen_large = spy.take()
     assert max(seen_large) == max(seen_small) < len(small) / 2, (max(seen_small), max(seen_large))
     assert sum(seen_large) < 1.2 * len(large), "each character is handed to the splitter about once"
-
-
-def test_long_line_chunking_time_grows_linearly(tokenizer: PreTrainedTokenizerBase) -> None:
-    """4x the text takes at most 6x the time (best of 3; it took 10x, and growing, before)."""
-    chunker = Chunker(tokenizer, ChunkingConfig(16))
-
-    def best(text: str) -> float:
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            chunker.split(text)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    small, large = _one_line(100_000), _one_line(400_000, seed=1)
-    ratio = best(large) / best(small)
-    assert ratio < 6, f"4x the text took {ratio:.1f}x the time"
 
 
 # ---- the space check runs on an estimate before chunking ------------------------------------------
