@@ -410,9 +410,9 @@ def _stats_line(g: Generation) -> str:
     how = "full attention" if g.selector == "full_attention" else (
         g.selector if g.ratio is None else f"{g.selector} @ ratio {g.ratio:g}")
     return (
-        f"TTFT {g.ttft_s:.3f} s (total {g.total_s:.2f} s) | {how} | prompt {g.prompt_tokens} tokens | "
-        f"chunk tokens reused {g.reused_tokens}, recomputed {g.recomputed_tokens} "
-        f"({100 * g.recomputed_fraction:.1f}%) | "
+        f"TTFT {g.ttft_s:.3f} s (total {g.total_s:.2f} s) | {how} | prompt {g.prompt_tokens} tokens = "
+        f"reused {g.reused_tokens} + recomputed {g.recomputed_tokens} ({100 * g.recomputed_fraction:.1f}%) + "
+        f"prefilled {g.prefilled_tokens} + prefix cache {g.prefix_cached_tokens} | "
         f"KV loaded {g.kv_bytes_loaded / 1e6:.1f} MB | cache misses {len(g.cache_misses)}"
     )
 

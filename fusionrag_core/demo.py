@@ -200,11 +200,11 @@ COLUMNS = f"{'':19}{'TTFT':>8}{'reused':>9}{'recomputed':>12}{'prefilled':>11}{'
 
 
 def _counts_row(name: str, g: Generation) -> str:
-    """A method's TTFT and token counts under `COLUMNS`; prefix is what the other counts leave of
-    the prompt (the memoised system prefix, which only the reusing path keeps)."""
-    prefix = g.prompt_tokens - g.reused_tokens - g.recomputed_tokens - g.prefilled_tokens
+    """A method's TTFT and token counts under `COLUMNS`: the four parts of the prompt
+    (`Generation.token_partition`); prefix is the memoised system prefix, which only the reusing
+    path keeps."""
     return (f"{'':4}{name:<15}{g.ttft_s:>6.3f} s{g.reused_tokens:>9}{g.recomputed_tokens:>12}"
-            f"{g.prefilled_tokens:>11}{prefix:>8}{g.prompt_tokens:>10}")
+            f"{g.prefilled_tokens:>11}{g.prefix_cached_tokens:>8}{g.prompt_tokens:>10}")
 
 
 def _answer_lines(name: str, text: str) -> str:

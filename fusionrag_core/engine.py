@@ -116,11 +116,14 @@ class Generation:
         finish_reason: "stop" (EOS or stop string) or "length".
         ttft_s: seconds from the call to the first token (stitching, selection, recompute included).
         total_s: seconds for the whole generation.
-        prompt_tokens: prompt size.
+        prompt_tokens: prompt size; always `reused_tokens + recomputed_tokens + prefilled_tokens +
+            prefix_cached_tokens` (`token_partition`).
         reused_tokens: chunk tokens whose cached K/V were kept.
         recomputed_tokens: reused-chunk tokens the selector chose to compute again.
         prefilled_tokens: every other prompt token computed afresh: context with no usable cache
             (unrecognised text included), the question, and the prefix when it was not memoised.
+        prefix_cached_tokens: prefix tokens whose K/V came from the engine's in-memory prefix cache
+            (the prefix was computed by an earlier request).
         context_tokens: tokens between prefix and question (chunks and the text around them).
         first_token_logits: `[V]` fp32 logits of the first generated position.
         cache_misses: chunk id -> why its cache was not used (it was prefilled instead).
@@ -160,6 +163,7 @@ class Generation:
     kv_tiers: dict[str, int] = field(default_factory=dict)
     prefilled_tokens: int = 0
     context_tokens: int = 0
+    prefix_cached_tokens: int = 0
     audit: AuditResult | None = None
 
     @property
@@ -169,8 +173,21 @@ class Generation:
 
     @property
     def reuse_ratio(self) -> float:
-        """Share of the prompt whose K/V came from a chunk cache."""
-        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        """Share of the prompt whose K/V this request did not compute: kept chunk-cache tokens plus
+        prefix-cache tokens, over `prompt_tokens`."""
+        return (self.reused_tokens + self.prefix_cached_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def token_partition(self) -> dict[str, int]:
+        """Where each prompt token's K/V came from: four counts that sum to `prompt_tokens`.
+
+        Raises:
+            AssertionError: they do not (a defect in the engine's accounting, never the caller's).
+        """
+        parts = {"reused_tokens": self.reused_tokens, "recomputed_tokens": self.recomputed_tokens,
+                 "prefilled_tokens": self.prefilled_tokens, "prefix_cached_tokens": self.prefix_cached_tokens}
+        assert sum(parts.values()) == self.prompt_tokens, (
+            f"token counts {parts} account for {sum(parts.values())} of {self.prompt_tokens} prompt tokens")
+        return parts
 
     def stats(self) -> dict[str, float | int | str | None]:
         """JSON-friendly statistics (what integrations put in response metadata)."""
@@ -182,6 +199,7 @@ class Generation:
             "reused_tokens": self.reused_tokens,
             "recomputed_tokens": self.recomputed_tokens,
             "prefilled_tokens": self.prefilled_tokens,
+            "prefix_cached_tokens": self.prefix_cached_tokens,
             "context_tokens": self.context_tokens,
             "reuse_ratio": self.reuse_ratio,
             "recomputed_fraction": self.recomputed_fraction,
@@ -231,7 +249,9 @@ class Prepared:
             with room for the new tokens.
         first_logits: `[V]` logits of the first generated position.
         selected_tokens: chunk tokens the selector chose to recompute.
-        prefilled_tokens: prompt tokens computed afresh (question, uncached prefix and chunks, selected).
+        prefilled_tokens: prompt tokens computed afresh besides the selected ones (question, prefix
+            when not memoised, context without a usable cache).
+        prefix_cached_tokens: prefix tokens served from the in-memory prefix cache.
         selector / ratio: as the Generation reports them.
     """
 
@@ -242,6 +262,7 @@ class Prepared:
     prefilled_tokens: int
     selector: str
     ratio: float | None
+    prefix_cached_tokens: int = 0
 
 
 class FusionEngine:
@@ -350,28 +371,33 @@ class FusionEngine:
         find: Callable[[str], Sequence[Match]] | None = None,
         documents: Mapping[str, str] | None = None,
         has_cache: Callable[[str], bool] | None = None,
+        spans: Mapping[str, str] | None = None,
     ) -> FusionPrompt:
-        """A request from chat messages: chunks found by mark, by content (`find`) or as retrieved
-        `documents` (content id -> text) become chunk segments; a mark whose id fails `has_cache`
-        is found by its text instead (see `PromptLayout.from_messages`)."""
-        return self.layout.from_messages(messages, find=find, documents=documents, has_cache=has_cache)
+        """A request from chat messages: chunks found by mark, by content (`find`), as retrieved
+        `documents` or as `spans` of the context (content id -> text, both) become chunk segments;
+        a mark whose id fails `has_cache` is found by its text instead (see `PromptLayout.from_messages`)."""
+        return self.layout.from_messages(messages, find=find, documents=documents, has_cache=has_cache, spans=spans)
 
     # ---- caches ----------------------------------------------------------------------------------
     def prefix_cache(self, prefix_ids: torch.Tensor) -> ChunkKV | None:
         """The exact cache of a prefix, computed once and kept (LRU) in memory."""
+        return self._prefix_cache(prefix_ids)[0]
+
+    def _prefix_cache(self, prefix_ids: torch.Tensor) -> tuple[ChunkKV | None, bool]:
+        """`prefix_cache`, and whether it came from memory (False: computed by this call)."""
         if prefix_ids.numel() == 0:
-            return None
+            return None, False
         key = tuple(int(t) for t in prefix_ids)
         with self._prefix_lock:
             if key in self._prefixes:
                 self._prefixes.move_to_end(key)
-                return self._prefixes[key]
+                return self._prefixes[key], True
         kv = prefill_prefix(self.decoder, prefix_ids, self.fingerprint)
         with self._prefix_lock:
             self._prefixes[key] = kv
             while len(self._prefixes) > self.config.prefix_cache_size:
                 self._prefixes.popitem(last=False)
-        return kv
+        return kv, False
 
     def chunk_cache(
         self, text: str | torch.Tensor, neighbours: Sequence[ChunkKV] = (), *, instruction: str | None = None
@@ -569,12 +595,15 @@ class FusionEngine:
     ) -> Prepared:
         """Request preparation: stitch (caches re-rotated into one buffer) -> select -> recompute,
         up to the first generated position's logits."""
-        prefilled = int(prompt.question.shape[0])
+        prefilled, prefix_cached = int(prompt.question.shape[0]), 0
         if use_prefix:
             lookup = prefetch(prompt, lookup, self._loader, inline=in_memory)
-            with self._prefix_lock:
-                prefilled += 0 if tuple(prompt.prefix.tolist()) in self._prefixes else int(prompt.prefix.shape[0])
-            prefix = self.prefix_cache(prompt.prefix)
+            prefix, memoised = self._prefix_cache(prompt.prefix)
+            # NOTE: the prefix is either served from memory or computed now: in one count, never both
+            if memoised:
+                prefix_cached = int(prompt.prefix.shape[0])
+            else:
+                prefilled += int(prompt.prefix.shape[0])
             st = stitch(self.decoder, prompt, prefix, lookup, extra_capacity=sampling.max_new_tokens,
                         exact_prefix=torch.equal(prompt.prefix.cpu(), self._canonical_prefix))
         else:  # full attention: everything, prefix included, is computed in one causal pass
@@ -592,6 +621,7 @@ class FusionEngine:
             prefilled_tokens=prefilled + recomputed - num_selected if use_prefix else prompt.num_tokens,
             selector=name,
             ratio=select_config.ratio if name not in ("none", "all", "full_attention") else None,
+            prefix_cached_tokens=prefix_cached,
         )
 
     def _decode(
@@ -658,7 +688,9 @@ class FusionEngine:
             kv_tiers=tiers.as_dict() if tiers is not None else {},
             prefilled_tokens=prepared.prefilled_tokens,
             context_tokens=context,
+            prefix_cached_tokens=prepared.prefix_cached_tokens,
         )
+        generation.token_partition()  # NOTE: the invariant every integration's statistics rely on
         if audit:  # NOTE: the answer has streamed; only the final statistics wait for the audit
             generation.audit = self._audit(prompt, generation)
         yield generation

@@ -132,10 +132,14 @@ def test_a_document_holding_mark_characters_is_answerable_and_a_forged_mark_stee
 def test_no_reuse_warns_once_per_model_with_the_cause(engine: FusionEngine, tmp_path: Path,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     llm = ChatFusionRAG(engine=engine, store=DiskKVStore(tmp_path / "kv"), max_tokens=2, learn=False)
-    context = format_docs([Document(page_content=t) for t in TEXTS])
+    # NOTE: the retriever runs in the chain: its documents are what the prompt was expected to reuse
+    vector_store = InMemoryVectorStore(DeterministicFakeEmbedding(size=16))
+    vector_store.add_documents([Document(page_content=t) for t in TEXTS])
+    retriever = vector_store.as_retriever(search_kwargs={"k": 3})
+    chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | SYSTEM_PROMPT | llm
     with caplog.at_level(logging.WARNING, logger="fusionrag"):
         for _ in range(2):
-            (SYSTEM_PROMPT | llm).invoke({"context": context, "question": QUESTION})
+            chain.invoke(QUESTION)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "reused no KV cache" in warnings[0] and "ingest" in warnings[0]
 

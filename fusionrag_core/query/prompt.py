@@ -16,6 +16,7 @@ segment records which route found it (`Segment.found_by`).
 
 from __future__ import annotations
 
+import bisect
 import re
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -48,11 +49,12 @@ _ESCAPE_NONCE = secrets.token_hex(8)
 _ESCAPE_RE = re.compile(f"{_ESCAPE_OPEN}{_ESCAPE_NONCE}([0-9]{{1,4}}){_ESCAPE_CLOSE}")
 
 
-FoundBy = Literal["given", "mark", "content", "document", "mark_then_content", "mark_then_document"]
+FoundBy = Literal["given", "mark", "content", "document", "span", "mark_then_content", "mark_then_document"]
 """How a chunk segment was found: named by id in a canonical prompt ("given"); by its `mark_chunk`
 mark; by content (a stored chunk's text, `recognise.ContentIndex`); as a retrieved document's text;
-or, for a mark whose id has no cache, by its marked text's content or as a retrieved document
-("mark_then_content", "mark_then_document")."""
+as a span of context the caller cut by content (learnable like a document, where no retrieved
+document says where documents are); or, for a mark whose id has no cache, by its marked text's
+content or as a retrieved document ("mark_then_content", "mark_then_document")."""
 
 _AFTER_MARK: dict[str, FoundBy] = {"content": "mark_then_content", "document": "mark_then_document"}
 
@@ -233,14 +235,17 @@ class PromptLayout:
         find: Callable[[str], Sequence[Match]] | None = None,
         documents: Mapping[str, str] | None = None,
         has_cache: Callable[[str], bool] | None = None,
+        spans: Mapping[str, str] | None = None,
     ) -> FusionPrompt:
         """Split a rendered conversation into a FusionPrompt at the chunks found in it.
 
-        Chunks are found three ways: `mark_chunk` marks made in this process; stored chunks whose
-        text occurs verbatim (`find`, e.g. `ContentIndex.find`); and `documents` (content id ->
-        text of documents retrieved for this request), whose K/V may be learned as their cache.
-        Each becomes a chunk segment (its cache is used only if the token ids match); text between
-        chunks is plain context; text before the first is the prefix, after the last the question.
+        Chunks are found four ways: `mark_chunk` marks made in this process; stored chunks whose
+        text occurs verbatim (`find`, e.g. `ContentIndex.find`); `documents` (content id -> text of
+        documents retrieved for this request); and, in the text none of these covers, `spans`
+        (content id -> text of a piece of the context, e.g. `reuse.spans.conversation_spans`).
+        Documents and spans may have their K/V learned as their cache. Each becomes a chunk segment
+        (its cache is used only if the token ids match); text between chunks is plain context; text
+        before the first is the prefix, after the last the question.
 
         With `has_cache` (is a cache stored under this id?), a mark whose id has none is read as
         context: its text is searched by content and for documents like any other text (a long
@@ -251,10 +256,11 @@ class PromptLayout:
         """
         rendered = self.render(messages, add_generation_prompt=add_generation_prompt)
         docs = {cid: self.escape(doc) for cid, doc in (documents or {}).items()}
+        cut = {cid: self.escape(span) for cid, span in (spans or {}).items()}
         pieces: list[str | _Found] = []
         for part in split_marks(rendered):
             if isinstance(part, str):
-                pieces += _recognised(part, find, docs)
+                pieces += _recognised(part, find, docs, cut)
             elif has_cache is None or has_cache(part.chunk_id):
                 pieces.append(_Found(part.chunk_id, part.text, "mark"))
             else:
@@ -330,14 +336,16 @@ class _Found:
     source: FoundBy
 
 
-def _recognised(text: str, find: Callable[[str], Sequence[Match]] | None,
-                documents: Mapping[str, str]) -> list[str | _Found]:
-    """Plain `text` as plain pieces and the chunks found in it, in order: content first, then documents."""
-    spans = [(m.start, m.end, m.chunk_id, "content") for m in find(text)] if find is not None else []
-    spans += _document_spans(text, documents, spans)
+def _recognised(text: str, find: Callable[[str], Sequence[Match]] | None, documents: Mapping[str, str],
+                spans: Mapping[str, str] | None = None) -> list[str | _Found]:
+    """Plain `text` as plain pieces and the chunks found in it, in order: content first, then
+    documents, then spans, each where the ones before left the text free."""
+    placed = _Placed([(m.start, m.end, m.chunk_id, "content") for m in find(text)] if find is not None else [])
+    placed.add_occurrences(text, documents, "document")
+    placed.add_occurrences(text, spans or {}, "span")
     out: list[str | _Found] = []
     at = 0
-    for start, end, chunk_id, source in sorted(spans):
+    for start, end, chunk_id, source in placed.items:
         out += [text[at:start], _Found(chunk_id, text[start:end], source)]  # type: ignore[arg-type]
         at = end
     return [*out, text[at:]]
@@ -354,22 +362,34 @@ def _joined(pieces: Sequence[str | _Found]) -> list[str | _Found]:
     return out
 
 
-def _document_spans(text: str, documents: Mapping[str, str],
-                    taken: Sequence[tuple[int, int, str, str]]) -> list[tuple[int, int, str, str]]:
-    """Where the documents' texts occur in `text`, clear of `taken` spans and of each other."""
-    spans = list(taken)
-    found: list[tuple[int, int, str, str]] = []
-    for chunk_id, doc in documents.items():
-        if not doc.strip():
-            continue
-        at = text.find(doc)
-        while at >= 0:
-            end = at + len(doc)
-            if all(end <= s or at >= e for s, e, _, _ in spans):
-                spans.append((at, end, chunk_id, "document"))
-                found.append(spans[-1])
-            at = text.find(doc, end)
-    return found
+class _Placed:
+    """Non-overlapping `(start, end, chunk_id, source)` places in a text, kept sorted by start.
+
+    NOTE: an overlap check is a binary search, not a scan of every place so far: a text that holds
+    one span a thousand times is placed in a thousand searches, not a million comparisons.
+    """
+
+    def __init__(self, items: Sequence[tuple[int, int, str, str]]) -> None:
+        self.items = sorted(items)
+        self._starts = [item[0] for item in self.items]
+
+    def is_free(self, start: int, end: int) -> bool:
+        i = bisect.bisect_right(self._starts, start)
+        return (i == 0 or self.items[i - 1][1] <= start) and (i == len(self.items) or self.items[i][0] >= end)
+
+    def add_occurrences(self, text: str, texts: Mapping[str, str], source: str) -> None:
+        """Place every occurrence in `text` of each of `texts` (content id -> text) that is still free."""
+        for chunk_id, piece in texts.items():
+            if not piece.strip():
+                continue
+            at = text.find(piece)
+            while at >= 0:
+                end = at + len(piece)
+                if self.is_free(at, end):
+                    i = bisect.bisect_right(self._starts, at)
+                    self.items.insert(i, (at, end, chunk_id, source))
+                    self._starts.insert(i, at)
+                at = text.find(piece, end)
 
 
 def _escape(index: int) -> str:

@@ -146,10 +146,12 @@ class LearnedCaches:
         do the chunk's slots hold its K/V. The slices are copies, so the request's buffer is free.
         """
         seen = [s.chunk_id for s in prompt.segments if s.chunk_id]
+        kept: set[str] = set()  # NOTE: a text the prompt repeats (a sentence a thousand times) is kept once
         for i, slots in st.missed:
             seg = prompt.segments[i]
-            if not seg.learn or not seg.text or seg.chunk_id is None:
+            if not seg.learn or not seg.text or seg.chunk_id is None or seg.chunk_id in kept:
                 continue
+            kept.add(seg.chunk_id)
             keys, values = st.buf.slice(slots)  # [L, H, T, D] each
             kv = ChunkKV(seg.token_ids.cpu(), keys, values, st.buf.positions[slots].clone(), self.fingerprint,
                          "fused")

@@ -2,16 +2,19 @@
 
 `ReuseSources` is the store a request reads: the caches of an index (ingested, found by content
 through the index's `ContentIndex`) first, then caches learned from traffic (`learn.py`).
-`ReuseMonitor` belongs to one model instance: the first request with real context that reuses
-nothing logs one WARNING naming the likely cause and its fix, so reuse is never lost in silence.
+`ReuseMonitor` belongs to one model instance: the first request whose prompt holds documents
+(`documents_seen`) and reuses nothing logs one WARNING naming the likely cause and its fix, so reuse
+is never lost in silence, and a prompt without documents (a chat turn, an agent's scaffolding)
+never warns.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -20,13 +23,24 @@ from fusionrag_core.errors import CacheMismatchError, CacheNotFoundError, Invali
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.recognise.content_index import Match, content_index_for
 from fusionrag_core.reuse.learned import LearnedCaches, content_id
+from fusionrag_core.reuse.spans import PARAGRAPH_BREAK, conversation_spans
+from fusionrag_core.runtime.compat import tokenize_plain
 from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.store.base import KVStore
 
 logger = logging.getLogger("fusionrag")
 
-MIN_CONTEXT_TOKENS = 64
-"""A request with at least this many context tokens is expected to reuse something."""
+DOCUMENT_TOKENS = 128
+"""A paragraph of prose at least this long, in no stored chunk, is taken for a document: about half an
+ingest chunk (256 tokens by default). Chat turns, agent scaffolding and condense prompts stay below
+it: the longest paragraph of prose in LlamaIndex's ReAct header has 76 tokens, and a chat log's
+labelled lines ("user: ...") count one message at a time."""
+
+PROSE_SHARE = 0.8
+"""Text whose share of letters and white space is at least this reads as prose: passages score 0.9
+and more, a tool's JSON schema about 0.65."""
+
+_LABEL = re.compile(r"[\w ()'-]{1,30}:(?=\s|$)")  # NOTE: "user:", "Thought:", "Action Input:", "Tool Args:"
 
 
 class ReuseSources(KVStore):
@@ -61,17 +75,25 @@ class ReuseSources(KVStore):
 
     def prompt(self, engine: FusionEngine, messages: Sequence[Mapping[str, str]],
                documents: Sequence[str] = ()) -> FusionPrompt:
-        """`messages` as a FusionPrompt: chunks found by mark or content; `documents` (texts
-        retrieved for this request) become learnable chunks where they occur, if learning is on.
-        A mark whose id has no cache here is found by its text (see `PromptLayout.from_messages`)."""
+        """`messages` as a FusionPrompt: chunks found by mark or content; if learning is on, the
+        context around them becomes learnable chunks where it occurs: `documents` (texts retrieved
+        for this request), or, when none were retrieved, content-defined spans of the messages
+        (`spans.conversation_spans`). A mark whose id has no cache here is found by its text (see
+        `PromptLayout.from_messages`)."""
         docs: dict[str, str] = {}
+        cut: dict[str, str] = {}
         self.retrieved = sum(1 for text in documents if text.strip())
         if self.learning:
             for text in documents:
                 text = text.strip()
                 if text:
                     docs[content_id(text, engine.fingerprint)] = text
-        return engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_cache)
+            # NOTE: a retriever's documents say where documents start and end; only without them
+            # does the text alone say it.
+            for span in () if docs else conversation_spans([m["content"] for m in messages]):
+                cut.setdefault(content_id(span, engine.fingerprint), span)
+        return engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_cache,
+                                           spans=cut)
 
     def has_cache(self, chunk_id: str) -> bool:
         """Whether any cache variant of `chunk_id` is stored here (ingested or learned)."""
@@ -143,7 +165,7 @@ def learned_ids(prompt: FusionPrompt, generation: Generation, sources: ReuseSour
 
 
 class ReuseMonitor:
-    """One per model instance: warns once when a request with context reuses no chunk cache."""
+    """One per model instance: warns once when a request whose prompt holds documents reuses no chunk cache."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -152,19 +174,82 @@ class ReuseMonitor:
 
     def check(self, engine: FusionEngine, prompt: FusionPrompt, generation: Generation,
               sources: ReuseSources) -> str | None:
-        """Log (once) and return why `generation` reused nothing; None when it reused or had no context."""
-        context = generation.context_tokens or generation.prompt_tokens - int(engine.layout.prefix_ids(
-            engine.config.instruction).shape[0])
-        if generation.reused_tokens or context < MIN_CONTEXT_TOKENS or learned_ids(prompt, generation, sources):
+        """Log (once) and return why `generation` reused nothing although its prompt holds documents;
+        None when it reused or learned something, or its prompt holds no document (`documents_seen`)."""
+        if generation.reused_tokens or learned_ids(prompt, generation, sources):
+            return None
+        seen = documents_seen(engine, prompt, generation, sources)
+        if seen is None:
             return None
         cause = diagnose(prompt, generation, sources)
         with self._lock:
             if self._warned:
                 return cause
             self._warned = True
-        logger.warning("FusionRAG model %s reused no KV cache for a prompt with %d context tokens: %s "
-                       "(this warning is shown once per model)", self.model_name, context, cause)
+        logger.warning("FusionRAG model %s reused no KV cache for a prompt holding %s: %s "
+                       "(this warning is shown once per model)", self.model_name, seen, cause)
         return cause
+
+
+def documents_seen(engine: FusionEngine, prompt: FusionPrompt, generation: Generation,
+                   sources: ReuseSources) -> str | None:
+    """What says `prompt` holds documents, in words; None: nothing does (no reuse was expected).
+
+    Documents were retrieved for this request; or chunks were found in it (by mark or content)
+    without a usable cache; or its text outside stored chunks holds a paragraph of prose of at
+    least `DOCUMENT_TOKENS` tokens.
+    """
+    if sources.retrieved:
+        return f"{sources.retrieved} retrieved document(s)"
+    if generation.cache_misses:
+        return f"{len(generation.cache_misses)} chunk(s) found in it"
+    longest = _longest_prose(engine, prompt)
+    return f"a {longest}-token paragraph of document-like text" if longest >= DOCUMENT_TOKENS else None
+
+
+def _longest_prose(engine: FusionEngine, prompt: FusionPrompt) -> int:
+    """Tokens of the longest paragraph of prose (`PROSE_SHARE`) in the prompt outside its chunks."""
+    plain = [prompt.prefix, *(s.token_ids for s in prompt.segments if s.kind != "chunk"), prompt.question]
+    if sum(int(ids.shape[0]) for ids in plain) < DOCUMENT_TOKENS:
+        return 0
+    special = set(engine.tokenizer.all_special_ids)
+    longest = 0
+    for ids in plain:
+        for run in _runs_between(ids.tolist(), special):  # NOTE: the chat template's own markup splits text
+            text = engine.tokenizer.decode(run)
+            assert isinstance(text, str)  # NOTE: one sequence of ids decodes to one string
+            for paragraph in _paragraphs(text):
+                letters = sum(c.isalpha() or c.isspace() for c in paragraph)
+                if paragraph.strip() and letters >= PROSE_SHARE * len(paragraph):
+                    longest = max(longest, len(tokenize_plain(engine.tokenizer, paragraph)))
+    return longest
+
+
+def _runs_between(ids: list[int], separators: set[int]) -> Iterator[list[int]]:
+    """The runs of `ids` between separator ids."""
+    run: list[int] = []
+    for i in ids:
+        if i in separators:
+            yield run
+            run = []
+        else:
+            run.append(i)
+    yield run
+
+
+def _paragraphs(text: str) -> Iterator[str]:
+    """`text`'s paragraphs (blank-line separated); a labelled line ("user: ...", "Thought: ...")
+    starts one of its own, without its label: a chat log or an agent's fields, one at a time."""
+    for block in PARAGRAPH_BREAK.split(text):
+        lines: list[str] = []
+        for line in block.splitlines():
+            label = _LABEL.match(line)
+            if label:
+                yield "\n".join(lines)
+                lines = [line[label.end():]]
+            else:
+                lines.append(line)
+        yield "\n".join(lines)
 
 
 def diagnose(prompt: FusionPrompt, generation: Generation, sources: ReuseSources) -> str:
@@ -184,22 +269,32 @@ def diagnose(prompt: FusionPrompt, generation: Generation, sources: ReuseSources
     if sources.primary_index is None and not sources.learning:
         return ("this KV store cannot find chunks by content (a Redis store keeps no content index); mark "
                 "chunks with format_docs / FusionChunkMarker, or use a disk store")
-    if sources.primary_index is not None and len(sources.primary_index) == 0 and not sources.learning:
-        return ("the store holds no indexed chunk text: ingest the documents (FusionIndex.add_texts, "
-                "FusionVectorStore, FusionKVTransform) or turn learning on")
     if sources.learning and sources.retrieved:
         # NOTE: the retriever ran and its documents were learnable: they are not in the prompt as returned.
         return (f"the context matches no stored chunk verbatim, and none of the {sources.retrieved} documents "
                 "retrieved for this request occurs in it as the retriever returned it (the prompt changed their "
                 "text: reformatted, truncated, metadata added); put the retrieved texts into the prompt unchanged, "
                 "or ingest the documents as the prompt shows them")
+    ingest = "ingest the documents (FusionIndex.add_texts, FusionVectorStore, FusionKVTransform)"
+    learn_from_retriever = ("retrieve them with a LangChain / LlamaIndex retriever so that learned caches pick them "
+                            "up from the next request on")
+    if sources.primary_index is not None and len(sources.primary_index) == 0:
+        if sources.learning:  # NOTE: so no retriever ran (its documents would have been learned or named above)
+            return (f"the store holds no indexed chunk text and no retriever ran for this request to learn its "
+                    f"documents from; {ingest}, or {learn_from_retriever}")
+        retrieved = (f"the {sources.retrieved} documents retrieved for this request are not stored: "
+                     if sources.retrieved else "")
+        return f"{retrieved}the store holds no indexed chunk text and learning is off; {ingest} or turn learning on"
+    if not sources.learning and sources.retrieved:
+        return (f"none of the {sources.retrieved} documents retrieved for this request matches a stored chunk "
+                "verbatim (not ingested into this store, or changed since) and learning is off; ingest them as "
+                "the retriever returns them, or turn learning on")
     if not sources.learning:
         return ("the context matches no stored chunk verbatim (documents changed or were split differently after "
                 "ingest); ingest these documents, or turn learning on so that retrieved documents are learned")
-    return ("the context matches no stored chunk verbatim (documents changed or were split differently after "
-            "ingest, or they were not retrieved through a LangChain retriever / LlamaIndex retriever this "
-            "model could learn from); ingest these documents, or retrieve them with a framework retriever so "
-            "learned caches pick them up from the next request on")
+    return ("the context matches no stored chunk verbatim and no retriever ran for this request, so its documents "
+            f"could not be learned as retrieved ones; {ingest}, or {learn_from_retriever}")
 
 
-__all__ = ["MIN_CONTEXT_TOKENS", "ReuseMonitor", "ReuseSources", "check_store_model", "diagnose", "learned_ids"]
+__all__ = ["DOCUMENT_TOKENS", "PROSE_SHARE", "ReuseMonitor", "ReuseSources", "check_store_model", "diagnose",
+           "documents_seen", "learned_ids"]

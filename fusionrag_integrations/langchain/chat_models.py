@@ -45,7 +45,8 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
     messages are then one human question, optionally after one system instruction.
 
     Response metadata holds `Generation.stats()` (ttft_s, reused_tokens, recomputed_tokens, ...);
-    usage metadata counts prompt and generated tokens, with reused chunk tokens as `cache_read`.
+    usage metadata counts prompt and generated tokens, with the tokens served from a cache (reused
+    chunk tokens and prefix-cache tokens) as `cache_read`.
 
     Example:
         >>> from langchain_core.prompts import ChatPromptTemplate
@@ -157,7 +158,8 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
             input_tokens=generation.prompt_tokens,
             output_tokens=len(generation.token_ids),
             total_tokens=generation.prompt_tokens + len(generation.token_ids),
-            input_token_details={"cache_read": generation.reused_tokens},
+            # NOTE: a cache hit is any prompt token not computed here: kept chunk caches and the prefix cache
+            input_token_details={"cache_read": generation.reused_tokens + generation.prefix_cached_tokens},
         )
         message = AIMessageChunk(
             content="",

@@ -38,8 +38,8 @@ from llama_index_instrumentation.span_handlers import BaseSpanHandler
 from fusionrag_integrations.llama_index.calls import recording
 
 _SUMMED = ("prompt_tokens", "completion_tokens", "reused_tokens", "recomputed_tokens", "prefilled_tokens",
-           "context_tokens", "kv_bytes_loaded", "cache_misses", "fused_chunks", "independent_chunks",
-           "chunks_without_drift", "total_s")
+           "prefix_cached_tokens", "context_tokens", "kv_bytes_loaded", "cache_misses", "fused_chunks",
+           "independent_chunks", "chunks_without_drift", "total_s")
 _MAX_DEPTH = 256
 _STREAMED: ContextVar[tuple[str, ...]] = ContextVar("fusionrag_streamed_query_texts", default=())
 
@@ -198,14 +198,15 @@ def record_call(stats: Mapping[str, Any]) -> None:
 
 def combined(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The statistics of a synthesis's LLM calls as one: counts summed, first call's TTFT, and
-    `llm_calls`; `reuse_ratio` over all calls' prompts."""
+    `llm_calls`; `reuse_ratio` over all calls' prompts (as `Generation.reuse_ratio`)."""
     out: dict[str, Any] = dict(calls[0])
     for key in _SUMMED:
         if all(key in c for c in calls):
             out[key] = sum(c[key] for c in calls)
     for key in ("cache_miss_reasons", "chunk_found_by"):
         out[key] = {k: v for c in calls for k, v in dict(c.get(key, {})).items()}
-    out["reuse_ratio"] = out["reused_tokens"] / out["prompt_tokens"] if out.get("prompt_tokens") else 0.0
+    not_computed = out["reused_tokens"] + out.get("prefix_cached_tokens", 0)
+    out["reuse_ratio"] = not_computed / out["prompt_tokens"] if out.get("prompt_tokens") else 0.0
     out["llm_calls"] = len(calls)
     return out
 
