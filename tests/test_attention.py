@@ -54,10 +54,27 @@ def test_planned_attention_equals_masked_sdpa(window: int | None, heads: int, kv
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (seed, p.kind, (got - want).abs().max())
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (9, 3)])
+@pytest.mark.parametrize(("keys", "queries"), [(300, 280), (300, 2), (129, 128)])
+def test_a_causal_suffix_equals_masked_sdpa(heads: int, kv_heads: int, keys: int, queries: int) -> None:
+    """The suffix plan (keys before the queries unmasked, merged with the causal part) is exact."""
+    spec = _spec(keys, torch.arange(keys - queries, keys))
+    q, k, v = _qkv(queries, keys, heads, kv_heads)
+    p = attention.plan(spec, group=heads // kv_heads, dtype=q.dtype)
+    assert p.kind == "suffix"
+    got, want = attention.attend(q, k, v, p, scale=0.25), attention.reference(q, k, v, spec, scale=0.25)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    assert p.scores(queries, keys) == int(spec.allowed().sum())
+
+
 def test_plan_kinds() -> None:
     S = 64
     causal = attention.plan(_spec(S, torch.arange(S)), group=1, dtype=torch.float32)
     assert causal.kind == "causal"
+    suffix = attention.plan(_spec(S, torch.arange(20, S)), group=1, dtype=torch.float32)
+    assert suffix.kind == "suffix"  # a prompt computed afresh after a cached prefix
+    holed = attention.plan(_spec(S, torch.arange(20, S), holes=((5, 9),)), group=1, dtype=torch.float32)
+    assert holed.kind == "blocks"
     windowed = attention.plan(_spec(S, torch.arange(S), window=8), group=1, dtype=torch.float32)
     assert windowed.kind == "blocks"
     decode = attention.plan(_spec(S, torch.tensor([S - 1])), group=1, dtype=torch.float32)

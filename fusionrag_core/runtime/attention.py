@@ -95,6 +95,16 @@ class MaskSpec:
                 and bool((self.k_pos == self.q_pos).all()))
 
 
+    def is_causal_suffix(self) -> bool:
+        """Two or more queries that are the last keys, at positions `S-N..S-1` in slot order, after
+        keys that all hold K/V (a prompt computed afresh after a cached prefix): every earlier key
+        unmasked, then causal among themselves."""
+        S, N = int(self.k_pos.shape[0]), int(self.q_pos.shape[0])
+        return (self.window is None and self.q_seq is None and 1 < N < S and bool(self.k_valid.all())
+                and bool((self.k_pos == torch.arange(S, device=self.k_pos.device)).all())
+                and bool((self.q_pos == self.k_pos[S - N:]).all()))
+
+
 @dataclass(frozen=True)
 class Block:
     """One block of query rows: its unmasked body runs and where its tail rows sit.
@@ -150,7 +160,8 @@ class Plan:
     """How one pass attends at the layers that share a window; built once, used by every such layer.
 
     Attributes:
-        kind: "causal" (SDPA's causal fast path), "blocks" (bodies + merged tails) or "dense"
+        kind: "causal" (SDPA's causal fast path), "suffix" (a causal suffix: the keys before it
+            unmasked, merged with the causal call over its own keys), "blocks" (bodies + merged tails) or "dense"
             (one masked call: keys not in position order, which no buffer here produces, or a
             pass of a few queries over a short buffer: `forward._Pass.plan`).
         rows: rows of the largest block.
@@ -170,6 +181,8 @@ class Plan:
 
     def scores(self, num_queries: int, num_keys: int) -> int:
         """Query-key scores the plan computes per head (padding included): its attention cost."""
+        if self.kind == "suffix":
+            return num_queries * (num_keys - num_queries) + num_queries * (num_queries + 1) // 2
         if self.kind != "blocks":
             causal = self.kind == "causal"
             return num_queries * (num_keys + 1) // 2 if causal else num_queries * num_keys
@@ -188,6 +201,10 @@ def plan(spec: MaskSpec, *, group: int, dtype: torch.dtype, block_rows: int | No
     """
     if spec.is_plain_causal():
         return Plan("causal")
+    # NOTE: two kernels and one merge per layer instead of a body, tails and merges per query block:
+    # on CPU, each small kernel is a parallel region whose wake-up costs more than its work.
+    if spec.q_pos.device.type == "cpu" and spec.is_causal_suffix():
+        return Plan("suffix")
     order = _order_keys(spec)
     if order is None:
         return Plan("dense", dense_mask=spec.allowed())
@@ -353,12 +370,29 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p: Plan, *
         return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=p.dense_mask,
                                               scale=scale, enable_gqa=G > 1)[0]
     qg = q.view(H, G, N, D)  # query head h uses kv head h // G
+    if p.kind == "suffix":
+        return _causal_suffix(qg, keys, values, scale).to(q.dtype).view(Hq, N, D)
     if not p.tails and all(len(b.body) == 1 for b in p.blocks):
         return _bodies_only(qg, keys, values, p, scale).view(Hq, N, D)
     out, lse = _bodies(qg, keys, values, p, scale)  # [H, G, N, D], [H, G, N]
     for t in p.tails:
         _tail_into(qg, keys, values, t, scale, out[:, :, t.r0:t.r1], lse[:, :, t.r0:t.r1])
     return out.to(q.dtype).view(Hq, N, D)
+
+
+def _causal_suffix(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of the last N keys' queries `[H, G, N, D]`: over the keys before them (unmasked), merged
+    with their causal attention over their own keys; returns fp32 `[H, G, N, D]` (exact: `_merge_into`)."""
+    H, G, N, D = qg.shape
+    P = int(keys.shape[1]) - N
+    out, lse = compat.sdpa_with_lse(qg.reshape(1, H, G * N, D), keys[None, :, :P], values[None, :, :P], None, scale)
+    out, lse = out.view(H, G, N, D).float(), lse.view(H, G, N).float()
+    # NOTE: causal alignment needs a row per query, so the kv heads are repeated for the N x N part only.
+    own, own_lse = compat.causal_sdpa_with_lse(qg.reshape(1, H * G, N, D),
+                                               keys[None, :, P:].repeat_interleave(G, dim=1),
+                                               values[None, :, P:].repeat_interleave(G, dim=1), scale)
+    _merge_into(out, lse, own.view(H, G, N, D), own_lse.view(H, G, N))
+    return out
 
 
 def _bodies_only(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p: Plan,

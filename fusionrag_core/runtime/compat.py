@@ -259,6 +259,18 @@ def sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     return sdpa_math_with_lse(q, k, v, bias, scale)
 
 
+def causal_sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sdpa_with_lse` of `[B, H, N, D]` queries over their own `N` keys, causal (row i sees keys 0..i)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True, scale=scale)
+        return out, lse
+    n = q.shape[-2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    bias = torch.zeros(n, n, dtype=q.dtype, device=q.device).masked_fill(~causal, float("-inf"))
+    return sdpa_math_with_lse(q, k, v, bias, scale)
+
+
 def sdpa_math_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`sdpa_with_lse` by explicit scores (any device; the reference the kernels are tested against)."""
