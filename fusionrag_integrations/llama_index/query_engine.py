@@ -10,26 +10,22 @@ answer is what `FusionEngine.generate` gives for the same question and chunks.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
-from llama_index.core.base.response.schema import RESPONSE_TYPE, StreamingResponse
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers import BaseSynthesizer, ResponseMode, get_response_synthesizer
 from llama_index.core.response_synthesizers.context_only import ContextOnly
 from llama_index.core.response_synthesizers.no_text import NoText
-from llama_index.core.schema import QueryBundle
 from llama_index.core.vector_stores.types import BasePydanticVectorStore
 
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_integrations.llama_index.calls import recording
 from fusionrag_integrations.llama_index.llm import FusionRAGLLM
 from fusionrag_integrations.llama_index.marking import FusionChunkMarker, fusion_text_qa_template
-from fusionrag_integrations.llama_index.observe import combined
 from fusionrag_integrations.llama_index.retriever import FusionRAGRetriever
 
 if TYPE_CHECKING:
@@ -161,35 +157,6 @@ class FusionRAGQueryEngine(RetrieverQueryEngine):
         postprocessors = [*(node_postprocessors or []), FusionChunkMarker()]
         return cls(retriever=retriever, response_synthesizer=response_synthesizer,
                    node_postprocessors=postprocessors)
-
-    def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
-        return _stream_statistics(super()._query(query_bundle))
-
-    async def _aquery(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
-        return _stream_statistics(await super()._aquery(query_bundle))
-
-
-def _stream_statistics(response: RESPONSE_TYPE) -> RESPONSE_TYPE:
-    """A streamed response whose metadata gains its LLM calls' statistics once it is consumed.
-
-    A non-streamed response already has them (observe.py, at the end of synthesis); a stream's
-    LLM calls run only as it is read, so they are recorded here, into this response's list.
-    """
-    if not isinstance(response, StreamingResponse) or response.response_gen is None:
-        return response
-    pieces = response.response_gen
-    metadata = response.metadata if response.metadata is not None else {}
-    response.metadata = metadata
-    calls: list[dict[str, Any]] = []
-
-    def recorded() -> Generator[str, None, None]:
-        with recording(calls):
-            yield from pieces
-        if calls:
-            metadata.update(combined(calls))
-
-    response.response_gen = recorded()
-    return response
 
 
 __all__ = ["FusionRAGQueryEngine"]
