@@ -118,8 +118,7 @@ class ReuseSources(KVStore):
         raise CacheNotFoundError(f"no {variant} KV cache for chunk {chunk_id}: no store and no learned caches")
 
     def has(self, chunk_id: str, variant: Variant) -> bool:
-        return any(part is not None and part.has(chunk_id, variant) for part in (
-            self.primary, self.learned.store if self.learned is not None else None))
+        return any(part.has(chunk_id, variant) for part in self._parts())
 
     def delete(self, chunk_id: str, variant: Variant | None = None) -> None:
         if self.primary is not None:
@@ -128,10 +127,15 @@ class ReuseSources(KVStore):
     def quarantine(self, chunk_id: str, variant: Variant) -> str | None:
         """Set the blob aside in the part `get` read it from: the primary store when it holds the
         entry, else the learned caches (see `KVStore.quarantine`; the part's errors propagate)."""
-        for part in (self.primary, self.learned.store if self.learned is not None else None):
-            if part is not None and part.has(chunk_id, variant):
+        for part in self._parts():
+            if part.has(chunk_id, variant):
                 return part.quarantine(chunk_id, variant)
         return None  # NOTE: neither holds it any more: another request set it aside first
+
+    def _parts(self) -> list[KVStore]:
+        """The stores read, in `get`'s order: the primary (ingested) one, then the learned caches'."""
+        return [part for part in (self.primary, self.learned.store if self.learned is not None else None)
+                if part is not None]
 
     def list_ids(self, variant: Variant | None = None) -> set[str]:
         return self.primary.list_ids(variant) if self.primary is not None else set()
@@ -292,8 +296,11 @@ def diagnose(prompt: FusionPrompt, generation: Generation, sources: ReuseSources
     if not sources.learning:
         return ("the context matches no stored chunk verbatim (documents changed or were split differently after "
                 "ingest); ingest these documents, or turn learning on so that retrieved documents are learned")
-    return ("the context matches no stored chunk verbatim and no retriever ran for this request, so its documents "
-            f"could not be learned as retrieved ones; {ingest}, or {learn_from_retriever}")
+    # NOTE: without a retriever, the context's spans are learned, except in the paragraphs that hold the
+    # system prompt (the first message's opening one) and the question (the last message's closing one).
+    return ("the context matches no stored chunk verbatim and no retriever ran for this request: its document-like "
+            "text shares the system prompt's or the question's paragraph, where spans are not learned; put "
+            f"documents in paragraphs of their own (a blank line around each), {ingest}, or {learn_from_retriever}")
 
 
 __all__ = ["DOCUMENT_TOKENS", "PROSE_SHARE", "ReuseMonitor", "ReuseSources", "check_store_model", "diagnose",
