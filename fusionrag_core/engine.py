@@ -37,6 +37,7 @@ from fusionrag_core.query.sampling import Sampler, SamplingConfig, TextAssembler
 from fusionrag_core.query.select import SelectConfig, get_selector
 from fusionrag_core.query.selectors import DEFAULT_SELECTOR
 from fusionrag_core.query.stitch import CacheLookup, CacheMiss, Stitched, prefetch, stitch
+from fusionrag_core.query.tools import ToolCallFormat, ToolRequest
 from fusionrag_core.recognise.content_index import Match
 from fusionrag_core.runtime import loading
 from fusionrag_core.runtime.decoder import Decoder
@@ -366,17 +367,26 @@ class FusionEngine:
 
     def prompt_from_messages(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         find: Callable[[str], Sequence[Match]] | None = None,
         documents: Mapping[str, str] | None = None,
         has_cache: Callable[[str], bool] | None = None,
         spans: Mapping[str, str] | None = None,
+        tools: ToolRequest | None = None,
     ) -> FusionPrompt:
         """A request from chat messages: chunks found by mark, by content (`find`), as retrieved
         `documents` or as `spans` of the context (content id -> text, both) become chunk segments;
-        a mark whose id fails `has_cache` is found by its text instead (see `PromptLayout.from_messages`)."""
-        return self.layout.from_messages(messages, find=find, documents=documents, has_cache=has_cache, spans=spans)
+        a mark whose id fails `has_cache` is found by its text instead (see `PromptLayout.from_messages`).
+        Messages are OpenAI-shaped (assistant `tool_calls`, `tool` results); `tools` are shown to
+        the model through its chat template, or the fallback format (`query.tools.ChatTools`)."""
+        return self.layout.from_messages(messages, find=find, documents=documents, has_cache=has_cache, spans=spans,
+                                         tools=tools)
+
+    @property
+    def tool_format(self) -> ToolCallFormat:
+        """How this model writes tool calls (its template's syntax, or the fallback's)."""
+        return self.layout.tools.format
 
     # ---- caches ----------------------------------------------------------------------------------
     def prefix_cache(self, prefix_ids: torch.Tensor) -> ChunkKV | None:

@@ -21,10 +21,11 @@ from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.paths import DEFAULT_DATA_DIR
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.query.select import SELECTORS
+from fusionrag_core.query.tools import ToolRequest, tool_request
 from fusionrag_core.reuse.learned import DEFAULT_MAX_BYTES
 from fusionrag_core.runtime.kv import VARIANTS, Variant
 from fusionrag_integrations.arguments import closest
-from fusionrag_integrations.request import OPTION_NAMES, RESPONSE_FORMAT, RequestOptions
+from fusionrag_integrations.request import OPTION_NAMES, RESPONSE_FORMAT, TOOL_OPTIONS, RequestOptions
 from fusionrag_integrations.session import ReuseConfig
 
 _SAMPLING = SamplingConfig()  # NOTE: the core's defaults are the fields' defaults
@@ -74,8 +75,9 @@ class OptionFields(BaseModel):
 
     @classmethod
     def call_options(cls) -> frozenset[str]:
-        """Keyword arguments one call accepts: the option fields, the options' own names, `response_format`."""
-        return frozenset({*cls.option_fields(), *OPTION_NAMES, RESPONSE_FORMAT})
+        """Keyword arguments one call accepts: the option fields, the options' own names, `response_format`
+        and the tool options (`tools`, `tool_choice`, `parallel_tool_calls`)."""
+        return frozenset({*cls.option_fields(), *OPTION_NAMES, RESPONSE_FORMAT, *TOOL_OPTIONS})
 
     def request_options(self, overrides: Mapping[str, Any], *, stop: Sequence[str] | None = None) -> RequestOptions:
         """This model's options with one call's keyword `overrides` (and LangChain's `stop`) applied.
@@ -86,6 +88,7 @@ class OptionFields(BaseModel):
         """
         given = dict(overrides)
         response_format = given.pop(RESPONSE_FORMAT, None)
+        tools = bound_tools(given)
         refuse_call_options(given, self.call_options(), type(self).__name__)
         fields = self.option_fields()
         values = {option: getattr(self, field) for field, option in fields.items()}
@@ -98,7 +101,7 @@ class OptionFields(BaseModel):
             values[option] = value
         if stop is not None:
             values["stop"] = stop
-        return RequestOptions.from_values(values, response_format=response_format)
+        return RequestOptions.from_values(values, response_format=response_format, tools=tools)
 
 
 class ReuseFields(BaseModel):
@@ -134,6 +137,20 @@ class ReuseFields(BaseModel):
                            max_bytes=self.learned_max_bytes)
 
 
+def bound_tools(options: dict[str, Any]) -> ToolRequest | None:
+    """The tool options popped from one call's `options` as a ToolRequest (None: no tools bound).
+
+    Raises:
+        InvalidRequestError: a tool choice or parallel setting without tools, or a malformed tool.
+    """
+    tools, choice, parallel = (options.pop(name, None) for name in TOOL_OPTIONS)
+    if not tools:
+        if choice not in (None, False, "auto", "none") or parallel is not None:
+            raise InvalidRequestError("tool_choice / parallel_tool_calls were given without tools: bind tools first")
+        return None
+    return tool_request(tools, choice, parallel)
+
+
 def refuse_call_options(overrides: Mapping[str, Any], accepted: frozenset[str], owner: str) -> None:
     """Refuse per-call keyword arguments a model does not take, naming the ones it does.
 
@@ -149,4 +166,4 @@ def refuse_call_options(overrides: Mapping[str, Any], accepted: frozenset[str], 
         )
 
 
-__all__ = ["OptionFields", "ReuseFields", "refuse_call_options"]
+__all__ = ["OptionFields", "ReuseFields", "bound_tools", "refuse_call_options"]

@@ -15,7 +15,7 @@ from them, never from a list of their own.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from fusionrag_core.engine import FusionEngine, Generation, GenerationStream, LearnFn
@@ -23,12 +23,15 @@ from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.query.select import SelectConfig, get_selector
+from fusionrag_core.query.tools import ToolRequest
 from fusionrag_core.runtime.kv import VARIANTS, Variant
 from fusionrag_core.store import KVStore
 from fusionrag_integrations.response_format import response_grammar
 
 RESPONSE_FORMAT = "response_format"
 """Per-call only: an OpenAI-shaped `response_format` that becomes the sampling grammar."""
+TOOL_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls")
+"""Per-call only: OpenAI-shaped tools, tool choice and parallel calls (`query.tools.tool_request`)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class RequestOptions:
             engine's default.
         full_attention: answer with a plain prefill of the whole prompt, reusing no cache (the
             baseline to compare with).
+        tools: the tools the request binds, and its tool choice (`fusionrag_core.query.tools`):
+            shown with the prompt, and the answer decodes under their grammar.
 
     Raises:
         InvalidRequestError: a value the engine would refuse.
@@ -58,8 +63,13 @@ class RequestOptions:
     ratio: float | None = None
     variant: Variant | None = None
     full_attention: bool = False
+    tools: ToolRequest | None = None
 
     def __post_init__(self) -> None:
+        if self.tools is not None and self.sampling.grammar is not None:
+            raise InvalidRequestError(
+                "a request binds either tools or a response_format, not both: drop one (structured output "
+                "needs no tool: with_structured_output decodes the schema's JSON directly)")
         if self.selector is not None:
             get_selector(self.selector)  # NOTE: the core's check against SELECTORS, and its message
         if self.ratio is not None:
@@ -68,13 +78,15 @@ class RequestOptions:
             raise InvalidRequestError(f"unknown cache variant {self.variant!r}; use one of {list(VARIANTS)}")
 
     @classmethod
-    def from_values(cls, values: Mapping[str, Any], *, response_format: Any = None) -> RequestOptions:
+    def from_values(cls, values: Mapping[str, Any], *, response_format: Any = None,
+                    tools: ToolRequest | None = None) -> RequestOptions:
         """Options from flat `values` keyed by `OPTION_NAMES` (absent ones take their defaults).
 
         Args:
             values: option name -> value; `stop` may be any sequence of strings, or None.
             response_format: None, or an OpenAI-shaped value constraining the answer
                 (`response_format.response_grammar`).
+            tools: None, or the tools the request binds.
 
         Raises:
             InvalidRequestError: a key that is no option, or a value the engine would refuse.
@@ -87,20 +99,26 @@ class RequestOptions:
         if response_format is not None:
             sampling["grammar"] = response_grammar(response_format)
         selection = {k: v for k, v in values.items() if k in SELECTION_OPTIONS}
-        return cls(SamplingConfig(**sampling), **selection)
+        return cls(SamplingConfig(**sampling), **selection, tools=tools)
 
     def stream(self, engine: FusionEngine, prompt: FusionPrompt, *, store: KVStore | None,
                learn: LearnFn | None) -> GenerationStream:
-        """Start generating `prompt` on `engine`, reading caches from `store` (full attention reads none)."""
+        """Start generating `prompt` on `engine`, reading caches from `store` (full attention reads none).
+
+        With tools, the answer decodes under the grammar of the engine's tool-call format."""
+        sampling = self.sampling
+        if self.tools is not None:
+            sampling = replace(sampling, grammar=engine.tool_format.grammar(self.tools))
         if self.full_attention:
-            return engine.full_attention(prompt, sampling=self.sampling)
-        return engine.stream(prompt, sampling=self.sampling, selector=self.selector, ratio=self.ratio,
+            return engine.full_attention(prompt, sampling=sampling)
+        return engine.stream(prompt, sampling=sampling, selector=self.selector, ratio=self.ratio,
                              variant=self.variant, store=store, learn=learn)
 
 
 SAMPLING_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(SamplingConfig) if f.name != "grammar")
 """Options that become the `SamplingConfig` (its grammar comes from `response_format` instead)."""
-SELECTION_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(RequestOptions) if f.name != "sampling")
+SELECTION_OPTIONS: tuple[str, ...] = tuple(
+    f.name for f in fields(RequestOptions) if f.name not in ("sampling", "tools"))
 """Options that choose what is reused and recomputed: selector, ratio, variant, full_attention."""
 OPTION_NAMES: tuple[str, ...] = SAMPLING_OPTIONS + SELECTION_OPTIONS
 """Every per-request option by name: the fields and per-call keyword arguments of both integrations."""
@@ -122,6 +140,7 @@ __all__ = [
     "RESPONSE_FORMAT",
     "SAMPLING_OPTIONS",
     "SELECTION_OPTIONS",
+    "TOOL_OPTIONS",
     "RequestOptions",
     "generation_stats",
 ]

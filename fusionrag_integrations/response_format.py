@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.query.constrained import Grammar
+from fusionrag_core.query.constrained import Grammar, closed_objects
 
 
 def json_schema_format(json_schema: Mapping[str, Any], *, strict: bool | None = None) -> dict[str, Any]:
@@ -56,19 +56,6 @@ def response_grammar(response_format: Any) -> Grammar:
 def _schema_grammar(schema_json: str) -> Grammar:
     # NOTE: a Grammar is immutable, so one compiled schema serves every request that binds it.
     return Grammar.json_schema(json.loads(schema_json))
-
-
-def closed_objects(schema: Any) -> Any:
-    """`schema` with `additionalProperties: false` on every object that lists properties and does
-    not say (OpenAI's strict mode): a small model otherwise invents keys until max_tokens."""
-    if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
-    if not isinstance(schema, Mapping):
-        return schema
-    out = {k: closed_objects(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 __all__ = ["closed_objects", "json_schema_format", "response_grammar"]

@@ -23,11 +23,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.paths import DEFAULT_DATA_DIR, learned_dir
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.stitch import Stitched
+from fusionrag_core.query.tools import ToolRequest
 from fusionrag_core.recognise.marks import clean_output
 from fusionrag_core.reuse.learned import (
     DEFAULT_MAX_BYTES,
@@ -118,17 +120,20 @@ class ReuseSession:
         """
         return ReuseSources(self.store, self.learned(), learning=self.config.learn and not options.full_attention)
 
-    def prompt(self, messages: Sequence[Mapping[str, str]], sources: ReuseSources,
-               retrieved: Sequence[str] = ()) -> FusionPrompt:
-        """`messages` as a FusionPrompt: chunks found in `sources` by mark or content; `retrieved`
-        texts (the documents retrieved for this request) become learnable chunks where they occur."""
-        return sources.prompt(self.engine, messages, retrieved)
+    def prompt(self, messages: Sequence[Mapping[str, Any]], sources: ReuseSources,
+               retrieved: Sequence[str] = (), tools: ToolRequest | None = None) -> FusionPrompt:
+        """`messages` (OpenAI-shaped) as a FusionPrompt: chunks found in `sources` by mark or
+        content; `retrieved` texts (the documents retrieved for this request: by a retriever, or
+        returned by a tool as its artifact) become learnable chunks where they occur; `tools`
+        are shown with the messages."""
+        return sources.prompt(self.engine, messages, retrieved, tools)
 
-    def answer(self, messages: Sequence[Mapping[str, str]], options: RequestOptions,
+    def answer(self, messages: Sequence[Mapping[str, Any]], options: RequestOptions,
                retrieved: Sequence[str] = ()) -> Iterator[str | Generation]:
-        """Answer `messages`: `prompt`, then `run`, both with this request's `sources(options)`."""
+        """Answer `messages`: `prompt` (with the options' tools), then `run`, both with this
+        request's `sources(options)`."""
         sources = self.sources(options)
-        return self.run(self.prompt(messages, sources, retrieved), options, sources)
+        return self.run(self.prompt(messages, sources, retrieved, options.tools), options, sources)
 
     def run(self, prompt: FusionPrompt, options: RequestOptions,
             sources: ReuseSources | None = None) -> Iterator[str | Generation]:

@@ -25,7 +25,7 @@ from fusionrag_integrations import request as request_module
 from fusionrag_integrations.langchain import ChatFusionRAG
 from fusionrag_integrations.langchain import FusionRAGLLM as LangChainLLM
 from fusionrag_integrations.llama_index import FusionRAGLLM as LlamaIndexLLM
-from fusionrag_integrations.request import OPTION_NAMES, RESPONSE_FORMAT, RequestOptions
+from fusionrag_integrations.request import OPTION_NAMES, RESPONSE_FORMAT, TOOL_OPTIONS, RequestOptions
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
 from tests.lighthouse import QUESTION, TEXTS
 
@@ -93,7 +93,7 @@ def test_every_option_is_a_field_and_a_per_call_argument(cls: type, one_layer_en
     fields = cls.option_fields()
     assert sorted(fields.values()) == sorted(OPTION_NAMES)
     assert set(fields) <= set(cls.model_fields)
-    assert cls.call_options() == {*fields, *OPTION_NAMES, RESPONSE_FORMAT}
+    assert cls.call_options() == {*fields, *OPTION_NAMES, RESPONSE_FORMAT, *TOOL_OPTIONS}
     description = cls.model_fields["selector"].description
     assert all(name in description for name in SELECTORS)
     defaults = cls(engine=one_layer_engine).request_options({})

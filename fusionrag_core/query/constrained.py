@@ -72,6 +72,15 @@ class Grammar:
         return cls._checked(source, "a JSON object")
 
     @classmethod
+    def lark(cls, source: str, description: str) -> Grammar:
+        """Text matching the llguidance Lark grammar `source` (`%json {...}` embeds a JSON schema).
+
+        Raises:
+            InvalidRequestError: the grammar does not compile; the message holds llguidance's reason.
+        """
+        return cls._checked(source, description)
+
+    @classmethod
     def regex(cls, pattern: str) -> Grammar:
         """Text matching the regular expression `pattern` in full."""
         return cls._checked(_llguidance().LLMatcher.grammar_from_regex(pattern), f"text matching /{pattern}/")
@@ -145,4 +154,17 @@ def _ll_tokenizer(tokenizer: PreTrainedTokenizerBase, eos_ids: tuple[int, ...]) 
         return per_eos[eos_ids]
 
 
-__all__ = ["INSTALL_HINT", "Grammar", "GrammarProcessor"]
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object that lists properties and does
+    not say (OpenAI's strict mode): a small model otherwise invents keys until max_tokens."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: closed_objects(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+__all__ = ["INSTALL_HINT", "Grammar", "GrammarProcessor", "closed_objects"]

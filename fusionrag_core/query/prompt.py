@@ -19,14 +19,15 @@ from __future__ import annotations
 import bisect
 import re
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.query.tools import ChatTools, ToolRequest
 from fusionrag_core.recognise.content_index import ANCHOR_CHARS, Match
 from fusionrag_core.recognise.marks import MarkedChunk, mark_chunk, split_marks
 from fusionrag_core.runtime.compat import tokenize_plain, tokenize_template
@@ -118,6 +119,7 @@ class PromptLayout:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.tools = ChatTools(tokenizer)
         self._separator = tokenize_plain(tokenizer, CHUNK_SEPARATOR)
         self._specials = _special_strings(tokenizer)
         self._special_index = {special: i for i, special in enumerate(self._specials)}
@@ -180,20 +182,35 @@ class PromptLayout:
         return f"{before}{context}{QUESTION_TEMPLATE.format(question=question.strip())}{after}"
 
     # ---- flattened prompts from frameworks -------------------------------------------------------
-    def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+               tools: ToolRequest | None = None) -> str:
         """The conversation as the model reads it (its chat template, or plain turns without one).
 
-        Special-token strings inside message contents come out escaped (see `_ESCAPE_OPEN`): pass
-        the result to `tokenize_rendered`, never to a tokenizer directly.
+        Messages are OpenAI-shaped: assistant messages may hold `tool_calls`, and `tool` messages
+        results; they and `tools` are shown the template's way, or the fallback's (`ChatTools`).
+        Special-token strings inside any text of the messages and tools come out escaped (see
+        `_ESCAPE_OPEN`): pass the result to `tokenize_rendered`, never to a tokenizer directly.
         """
         if not messages:
             raise InvalidRequestError("no messages: pass at least one user message")
-        escaped = [{**m, "content": self.escape(m["content"])} for m in messages]
+        adapted, tool_dicts = self.tools.adapt(messages, tools)
+        escaped = [{k: v if k == "role" else self._escape_tree(v) for k, v in m.items()} for m in adapted]
         if self.has_template:
+            extra = {"tools": self._escape_tree(tool_dicts)} if tool_dicts is not None else {}
             return str(self.tokenizer.apply_chat_template(
-                escaped, tokenize=False, add_generation_prompt=add_generation_prompt))
+                escaped, tokenize=False, add_generation_prompt=add_generation_prompt, **extra))
         text = "\n\n".join(m["content"] for m in escaped) + ("\nAnswer:" if add_generation_prompt else "")
         return (self.tokenizer.bos_token or "") + text
+
+    def _escape_tree(self, value: Any) -> Any:
+        """`value` with `escape` applied to every string in it (message contents, call arguments, tools)."""
+        if isinstance(value, str):
+            return self.escape(value)
+        if isinstance(value, Mapping):
+            return {k: self._escape_tree(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self._escape_tree(v) for v in value]
+        return value
 
     def escape(self, text: str) -> str:
         """User or document text with every special-token string replaced by an escape."""
@@ -229,13 +246,14 @@ class PromptLayout:
 
     def from_messages(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
         find: Callable[[str], Sequence[Match]] | None = None,
         documents: Mapping[str, str] | None = None,
         has_cache: Callable[[str], bool] | None = None,
         spans: Mapping[str, str] | None = None,
+        tools: ToolRequest | None = None,
     ) -> FusionPrompt:
         """Split a rendered conversation into a FusionPrompt at the chunks found in it.
 
@@ -252,9 +270,9 @@ class PromptLayout:
         document's text finds its several chunks, in order), and what is found there is reused
         with `found_by` "mark_then_content" / "mark_then_document". A mark whose text holds
         nothing found stays a chunk under its own id (a reported miss). Without `has_cache`
-        every mark is taken at its id.
+        every mark is taken at its id. `tools`, when given, are rendered with the messages (`render`).
         """
-        rendered = self.render(messages, add_generation_prompt=add_generation_prompt)
+        rendered = self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         docs = {cid: self.escape(doc) for cid, doc in (documents or {}).items()}
         cut = {cid: self.escape(span) for cid, span in (spans or {}).items()}
         pieces: list[str | _Found] = []
@@ -338,9 +356,14 @@ class _Found:
 
 def _recognised(text: str, find: Callable[[str], Sequence[Match]] | None, documents: Mapping[str, str],
                 spans: Mapping[str, str] | None = None) -> list[str | _Found]:
-    """Plain `text` as plain pieces and the chunks found in it, in order: content first, then
-    documents, then spans, each where the ones before left the text free."""
+    """Plain `text` as plain pieces and the chunks found in it, in order: content first (in the text,
+    then inside each document's own text), then documents, then spans, each where the ones before
+    left the text free."""
     placed = _Placed([(m.start, m.end, m.chunk_id, "content") for m in find(text)] if find is not None else [])
+    if find is not None:
+        # NOTE: a stored chunk too short for a content anchor is probed only where a line starts, and
+        # tools label each document ("Content: <text>"); inside its document's own text it starts one.
+        placed.add_occurrences(text, _stored_chunks_in(documents.values(), find), "content")
     placed.add_occurrences(text, documents, "document")
     placed.add_occurrences(text, spans or {}, "span")
     out: list[str | _Found] = []
@@ -349,6 +372,11 @@ def _recognised(text: str, find: Callable[[str], Sequence[Match]] | None, docume
         out += [text[at:start], _Found(chunk_id, text[start:end], source)]  # type: ignore[arg-type]
         at = end
     return [*out, text[at:]]
+
+
+def _stored_chunks_in(texts: Iterable[str], find: Callable[[str], Sequence[Match]]) -> dict[str, str]:
+    """Chunk id -> text of the stored chunks found inside each of `texts`."""
+    return {m.chunk_id: text[m.start:m.end] for text in texts for m in find(text)}
 
 
 def _joined(pieces: Sequence[str | _Found]) -> list[str | _Found]:

@@ -15,12 +15,14 @@ import logging
 import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import CacheMismatchError, CacheNotFoundError, InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
+from fusionrag_core.query.tools import ToolRequest
 from fusionrag_core.recognise.content_index import Match, content_index_for
 from fusionrag_core.reuse.learned import LearnedCaches, content_id
 from fusionrag_core.reuse.spans import PARAGRAPH_BREAK, conversation_spans
@@ -73,13 +75,14 @@ class ReuseSources(KVStore):
                  if all(m.end <= f.start or m.start >= f.end for f in found)]
         return sorted(found + extra, key=lambda m: m.start)
 
-    def prompt(self, engine: FusionEngine, messages: Sequence[Mapping[str, str]],
-               documents: Sequence[str] = ()) -> FusionPrompt:
+    def prompt(self, engine: FusionEngine, messages: Sequence[Mapping[str, Any]],
+               documents: Sequence[str] = (), tools: ToolRequest | None = None) -> FusionPrompt:
         """`messages` as a FusionPrompt: chunks found by mark or content; if learning is on, the
         context around them becomes learnable chunks where it occurs: `documents` (texts retrieved
         for this request), or, when none were retrieved, content-defined spans of the messages
         (`spans.conversation_spans`). A mark whose id has no cache here is found by its text (see
-        `PromptLayout.from_messages`)."""
+        `PromptLayout.from_messages`). `tools` are rendered with the messages (the tool list is
+        template text: never cut into spans)."""
         docs: dict[str, str] = {}
         cut: dict[str, str] = {}
         self.retrieved = sum(1 for text in documents if text.strip())
@@ -90,10 +93,10 @@ class ReuseSources(KVStore):
                     docs[content_id(text, engine.fingerprint)] = text
             # NOTE: a retriever's documents say where documents start and end; only without them
             # does the text alone say it.
-            for span in () if docs else conversation_spans([m["content"] for m in messages]):
+            for span in () if docs else conversation_spans([str(m.get("content") or "") for m in messages]):
                 cut.setdefault(content_id(span, engine.fingerprint), span)
         return engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_cache,
-                                           spans=cut)
+                                           spans=cut, tools=tools)
 
     def has_cache(self, chunk_id: str) -> bool:
         """Whether any cache variant of `chunk_id` is stored here (ingested or learned)."""
@@ -222,11 +225,16 @@ def _longest_prose(engine: FusionEngine, prompt: FusionPrompt) -> int:
         for run in _runs_between(ids.tolist(), special):  # NOTE: the chat template's own markup splits text
             text = engine.tokenizer.decode(run)
             assert isinstance(text, str)  # NOTE: one sequence of ids decodes to one string
-            for paragraph in _paragraphs(text):
+            for paragraph in map(_without_markup, _paragraphs(text)):
                 letters = sum(c.isalpha() or c.isspace() for c in paragraph)
                 if paragraph.strip() and letters >= PROSE_SHARE * len(paragraph):
                     longest = max(longest, len(tokenize_plain(engine.tokenizer, paragraph)))
     return longest
+
+
+def _without_markup(paragraph: str) -> str:
+    """`paragraph` less its lines of JSON or markup (a tool list, a call, a tag): scaffolding, not prose."""
+    return "\n".join(line for line in paragraph.splitlines() if not line.lstrip().startswith(("{", "[", "<")))
 
 
 def _runs_between(ids: list[int], separators: set[int]) -> Iterator[list[int]]:
