@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 from langchain_core.documents import Document
+from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, AIMessageChunk
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, ToolMessage
 from langchain_core.retrievers import BaseRetriever
+from langchain_core.tools import tool
 from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
@@ -24,6 +26,8 @@ from fusionrag_core.index import FusionIndex, IngestConfig
 from fusionrag_core.store import DiskKVStore, KVStore
 from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGRetriever, format_docs
 
+LOOPING_JSON = ("test_json_mode", "test_structured_output_optional_param")
+"""The suite's tests the 135M model fails unforced (strict xfails below)."""
 CACHED_ID = "lumen-lighthouse"
 CACHED_TEXT = "The Lumen lighthouse on Gull Point was designed by the engineer Ada Vell in 1891."
 CORPUS = [
@@ -50,9 +54,14 @@ class FusionRAGChatFeatures:
 
     @property
     def has_tool_calling(self) -> bool:
-        """False: the packaged models were not trained to call tools; bind_tools raises
-        NotImplementedError pointing at with_structured_output."""
-        return False
+        """True: bind_tools shows the tools (the template's way, else the fallback format) and
+        decodes calls under their schemas' grammar."""
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        """True: "any"/"required", a tool's name or a dict force calls through the grammar."""
+        return True
 
     @property
     def has_structured_output(self) -> bool:
@@ -120,27 +129,42 @@ class TestChatFusionRAGIntegration(FusionRAGChatFeatures, ChatModelIntegrationTe
     """Invoke, stream, async, batch, conversations, usage and stop sequences on the real model."""
 
     @pytest.fixture(autouse=True)
-    def _shared_engine(self, default_engine: FusionEngine, cached_store: KVStore) -> None:
+    def _shared_engine(self, default_engine: FusionEngine, cached_store: KVStore, request: pytest.FixtureRequest
+                       ) -> None:
         # NOTE: the suite builds its models from `chat_model_params`, a property; the session's one
         # loaded engine reaches it through the test instance.
         self.engine = default_engine
         self.store = cached_store
+        # NOTE: a budget that fits each test's answer, kept small since the machine is shared: a tool
+        # call takes ~30 tokens; the structured-output joke and JSON-mode answers, free strings, more.
+        # The two tests the 135M model cannot pass (below) fail the same way at 64 tokens as at 256.
+        roomy = any(k in request.node.name for k in ("structured", "json_mode")) and not any(
+            k in request.node.name for k in LOOPING_JSON)
+        self.max_tokens = 256 if roomy else 64
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"engine": self.engine, "store": self.store, "max_tokens": 16}
+        return {"engine": self.engine, "store": self.store, "max_tokens": self.max_tokens}
 
-    @property
-    def has_structured_output(self) -> bool:
-        """False here only: the suite's joke ({"setup", "punchline"} as free strings) needs far more
-        than this class's 16-token budget (kept small: the machine is shared). Structured output on
-        the same model is tested in tests/test_langchain_structured.py with a budget that fits."""
-        return False
+    @pytest.mark.xfail(strict=True, raises=OutputParserException, reason=(
+        "SmolLM2-135M does not close unconstrained JSON: asked for a cat joke in JSON mode it nests "
+        '{"setup": {"setup": ...}} until max_tokens (256 tried). JSON mode itself works: '
+        "tests/test_langchain_structured.py, and the suite's test_structured_output* with a schema."))
+    def test_json_mode(self, model: BaseChatModel) -> None:
+        super().test_json_mode(model)
 
-    @property
-    def supports_json_mode(self) -> bool:
-        """False here only, for the same budget reason as has_structured_output."""
-        return False
+    @pytest.mark.xfail(strict=True, raises=OutputParserException, reason=(
+        "SmolLM2-135M repeats a phrase inside the punchline string (\"I'm a cat, I'm a cat, ...\") until "
+        "max_tokens (256 tried) on the test's first prompts; the optional field itself is decoded: "
+        "test_packaged_model_decodes_an_optional_field in tests/test_langchain_structured.py"))
+    def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
+        super().test_structured_output_optional_param(model)
+
+    @pytest.mark.xfail(strict=True, reason=(
+        "SmolLM2-135M answers 'What is the weather in San Francisco, CA?' in text instead of calling the unforced "
+        "get_weather tool; the same loop with the call forced passes: test_agent_loop_with_the_call_forced below"))
+    def test_agent_loop(self, model: BaseChatModel) -> None:
+        super().test_agent_loop(model)
 
     @property
     def supported_usage_metadata_details(self) -> dict[Any, Any]:
@@ -164,6 +188,27 @@ class TestChatFusionRAGIntegration(FusionRAGChatFeatures, ChatModelIntegrationTe
         assert message.usage_metadata is not None
         assert message.usage_metadata.get("input_token_details", {}).get("cache_read", 0) > 0
         return message
+
+
+@pytest.mark.slow
+def test_agent_loop_with_the_call_forced(default_engine: FusionEngine) -> None:
+    """The suite's `test_agent_loop` with `tool_choice="any"` on the first call: the call's content
+    blocks, its id carried into the ToolMessage, and the answer to the tool's result."""
+
+    @tool
+    def get_weather(location: str) -> str:
+        """Get the weather at a location."""
+        return "It's sunny."
+
+    model = ChatFusionRAG(engine=default_engine, max_tokens=64, temperature=0)
+    question = HumanMessage("What is the weather in San Francisco, CA?")
+    call = model.bind_tools([get_weather], tool_choice="any").invoke([question])
+    assert any(block["type"] == "tool_call" for block in call.content_blocks)
+    assert len(call.tool_calls) == 1 and isinstance(call.tool_calls[0]["args"]["location"], str)
+    result = get_weather.invoke(call.tool_calls[0])
+    assert isinstance(result, ToolMessage) and result.tool_call_id == call.tool_calls[0]["id"]
+    answer = model.bind_tools([get_weather]).invoke([question, call, result])
+    assert isinstance(answer, AIMessage) and (answer.content or answer.tool_calls)
 
 
 @pytest.fixture(scope="module")

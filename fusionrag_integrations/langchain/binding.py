@@ -27,6 +27,7 @@ from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.paths import DEFAULT_COLLECTION, kv_dir
 from fusionrag_core.query.prompt import FusionPrompt
+from fusionrag_core.query.tools import ToolRequest
 from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_core.runtime.loading import DEFAULT_MODEL, check_device
 from fusionrag_core.store import DiskKVStore, KVStore
@@ -211,21 +212,24 @@ class FusionRAGModelFields(OptionFields, ReuseFields):
             return self.engine, store
         return FusionEngine.from_pretrained(self.model, device=self.device, dtype=self.dtype), store
 
-    def reuse_prompt(self, messages: Sequence[Mapping[str, str]], run_id: UUID | None,
-                     sources: ReuseSources | None = None) -> FusionPrompt:
+    def reuse_prompt(self, messages: Sequence[Mapping[str, Any]], run_id: UUID | None,
+                     sources: ReuseSources | None = None, *, documents: Sequence[str] = (),
+                     tools: ToolRequest | None = None) -> FusionPrompt:
         """`messages` as a FusionPrompt: stored chunks found by mark or content; documents a retriever
-        returned in the trace of `run_id` (this model's run) become learnable chunks.
+        returned in the trace of `run_id` (this model's run), and `documents`, become learnable chunks.
 
         Args:
-            messages: role/content dicts (`messages.to_chat_dicts`).
+            messages: OpenAI-shaped dicts (`messages.to_chat_dicts`).
             run_id: this model's LangChain run (None, when LangChain streams without handing the model
                 its run: the run of the step calling it, `observe.calling_run_id`).
             sources: the request's sources (default: those of a call with this model's own options).
+            documents: more texts known to be documents (e.g. a retrieval tool's artifact).
+            tools: the bound tools, shown with the messages.
         """
         session = self.reuse_session()
         if sources is None:
             sources = session.sources(self.request_options({}))
-        return session.prompt(messages, sources, retrieved_texts(run_id))
+        return session.prompt(messages, sources, [*retrieved_texts(run_id), *documents], tools)
 
     # ---- LangChain overrides shared by both models ----------------------------------------------
     # NOTE: this mixin comes before BaseChatModel / LLM in their bases, so these override those

@@ -9,6 +9,7 @@ prefilled.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
@@ -24,11 +25,24 @@ from langchain_core.runnables import Runnable
 from fusionrag_core.engine import Generation
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
+from fusionrag_core.query.tools import InvalidToolCall, ToolCall, ToolRequest, split_calls
 from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_integrations.langchain.binding import FusionRAGModelFields, generation_metadata
 from fusionrag_integrations.langchain.documents import chunk_inputs
 from fusionrag_integrations.langchain.messages import to_chat_dicts
-from fusionrag_integrations.langchain.structured import BIND_TOOLS_MESSAGE, Method, with_structured_output
+from fusionrag_integrations.langchain.structured import Method, with_structured_output
+from fusionrag_integrations.langchain.tools import artifact_texts, call_chunk, langchain_invalid_call, tool_options
+
+
+@dataclass(frozen=True)
+class _IndexedCall:
+    """A call of the answer and its position among the answer's calls (a chunk's `index`)."""
+
+    call: ToolCall | InvalidToolCall
+    index: int
+
+
+_Event = str | _IndexedCall | Generation
 
 
 class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
@@ -85,27 +99,62 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
         return with_structured_output(self, schema, method=method, include_raw=include_raw, strict=strict,
                                       **kwargs)
 
-    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
-        """Not supported: raises NotImplementedError saying what to use (`with_structured_output`)."""
-        raise NotImplementedError(BIND_TOOLS_MESSAGE)
+    def bind_tools(
+        self,
+        tools: Sequence[Any],
+        *,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """This model with `tools` it may call; answers carry them in `AIMessage.tool_calls`.
+
+        Tools are shown through the model's chat template where it renders tools, else through
+        FusionRAG's fallback format (said once, with a warning); the answer decodes under a grammar,
+        so every call names a bound tool and its arguments satisfy that tool's JSON schema.
+
+        Args:
+            tools: `@tool` functions, BaseTools, Pydantic classes, TypedDicts, JSON schemas or
+                OpenAI tool dicts (anything `convert_to_openai_tool` takes).
+            tool_choice: None/"auto"/False (the model decides), "any"/"required"/True (it must
+                call), "none" (it must not), a tool's name or `{"type": "function", "function":
+                {"name": ...}}` (that tool).
+            parallel_tool_calls: True lets one answer make several calls; None/False: one at most.
+            strict: passed to `convert_to_openai_tool`; the grammar admits only the listed
+                properties of each arguments object either way.
+            **kwargs: other call options to bind (e.g. `max_tokens`).
+
+        Raises:
+            InvalidRequestError: an unknown tool choice, duplicate names, or a schema the grammar
+                cannot enforce (the message names the tool and the construct).
+        """
+        return self.bind(**tool_options(tools, tool_choice, parallel_tool_calls, strict), **kwargs)
 
     def fusion_prompt(self, messages: list[BaseMessage], documents: Sequence[Document] | None = None,
-                      run_id: UUID | None = None, sources: ReuseSources | None = None) -> FusionPrompt:
+                      run_id: UUID | None = None, sources: ReuseSources | None = None,
+                      tools: ToolRequest | None = None) -> FusionPrompt:
         """The engine request `invoke(messages, documents=documents)` runs.
 
         Args:
-            messages: the conversation; chunks marked in its text are recognised.
+            messages: the conversation; chunks marked in its text are recognised, and the
+                Documents tool messages carry as artifacts are learnable (`tools.artifact_texts`).
             documents: None, or the passages of a canonical prompt (then `messages` is one human
                 question, optionally after one system instruction).
             run_id: this model's LangChain run, whose retrieved documents may be learned (see `reuse_prompt`).
             sources: the request's sources (see `reuse_prompt`).
+            tools: the bound tools, shown with the messages.
 
         Raises:
-            InvalidRequestError: `documents` given with other messages than that.
+            InvalidRequestError: `documents` given with other messages than that, or with tools.
         """
         engine = self.fusion_engine()
         if documents is None:
-            return self.reuse_prompt(to_chat_dicts(messages), run_id, sources)
+            return self.reuse_prompt(to_chat_dicts(messages), run_id, sources, documents=artifact_texts(messages),
+                                     tools=tools)
+        if tools is not None:
+            raise InvalidRequestError("documents= builds the canonical prompt, which shows no tools: pass the "
+                                      "documents in the messages (format_docs) to call tools")
         system, question = messages[:-1], messages[-1] if messages else None
         if not isinstance(question, HumanMessage) or len(system) > 1 or not all(
             isinstance(m, SystemMessage) for m in system
@@ -124,7 +173,18 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        return generate_from_stream(self._stream(messages, stop=stop, run_manager=run_manager, **kwargs))
+        # NOTE: the chunks' sum, with invalid calls kept whole (their parse error too, which chunk
+        # aggregation would drop).
+        invalid: list[InvalidToolCall] = []
+        chunks = (self._chunk(event, run_manager, invalid)
+                  for event in self._answer(messages, stop, run_manager, kwargs))
+        result = generate_from_stream(chunks)
+        message = result.generations[0].message
+        if invalid and isinstance(message, AIMessage):
+            ids = {call.id for call in invalid}
+            message.tool_calls = [call for call in message.tool_calls if call["id"] not in ids]
+            message.invalid_tool_calls = [langchain_invalid_call(call) for call in invalid]
+        return result
 
     def _stream(
         self,
@@ -135,6 +195,12 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         # NOTE: async (`ainvoke`, `astream`) is LangChain's default: this generator runs in an
         # executor thread, so the blocking engine never stalls the event loop.
+        for event in self._answer(messages, stop, run_manager, kwargs):
+            yield self._chunk(event, run_manager, [])
+
+    def _answer(self, messages: list[BaseMessage], stop: list[str] | None,
+                run_manager: CallbackManagerForLLMRun | None, kwargs: dict[str, Any]) -> Iterator[_Event]:
+        """The request's text pieces, its tool calls as each completes, then its Generation."""
         documents = kwargs.pop("documents", None)
         options = self.request_options(kwargs, stop=stop)
         session = self.reuse_session()
@@ -142,15 +208,32 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
         # NOTE: LangChain's stream/astream (and streaming invoke) pass no run manager; None then finds
         # the trace through the step calling this model (`observe.retrieved_texts`).
         run_id = run_manager.run_id if run_manager is not None else None
-        prompt = self.fusion_prompt(messages, documents, run_id, sources)
-        for piece in session.run(prompt, options, sources):
-            if isinstance(piece, Generation):
-                yield self._final_chunk(piece)
-                return
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
-            if run_manager is not None:
-                run_manager.on_llm_new_token(piece, chunk=chunk)
-            yield chunk
+        prompt = self.fusion_prompt(messages, documents, run_id, sources, options.tools)
+        pieces = session.run(prompt, options, sources)
+        if options.tools is None:
+            yield from pieces
+            return
+        calls = 0
+        for event in split_calls(pieces, self.fusion_engine().tool_format, options.tools):
+            if isinstance(event, ToolCall | InvalidToolCall):
+                yield _IndexedCall(event, calls)
+                calls += 1
+            else:
+                yield event
+
+    def _chunk(self, event: _Event, run_manager: CallbackManagerForLLMRun | None,
+               invalid: list[InvalidToolCall]) -> ChatGenerationChunk:
+        if isinstance(event, Generation):
+            return self._final_chunk(event)
+        if isinstance(event, _IndexedCall):
+            if isinstance(event.call, InvalidToolCall):
+                invalid.append(event.call)
+            message = AIMessageChunk(content="", tool_call_chunks=[call_chunk(event.call, event.index)])
+            return ChatGenerationChunk(message=message)
+        chunk = ChatGenerationChunk(message=AIMessageChunk(content=event))
+        if run_manager is not None:
+            run_manager.on_llm_new_token(event, chunk=chunk)
+        return chunk
 
     def _final_chunk(self, generation: Generation) -> ChatGenerationChunk:
         """The last, empty chunk: it alone carries usage and response metadata (chunks are summed)."""
@@ -163,7 +246,7 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
         )
         message = AIMessageChunk(
             content="",
-            chunk_position="last",
+            chunk_position="last",  # NOTE: also what turns the summed tool_call_chunks into tool_calls
             usage_metadata=usage,
             response_metadata=generation_metadata(generation, self.model_name),
         )

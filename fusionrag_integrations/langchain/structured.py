@@ -25,12 +25,6 @@ from fusionrag_integrations.response_format import json_schema_format, response_
 Method = Literal["json_schema", "json_mode", "function_calling"]
 METHODS = ("json_schema", "json_mode", "function_calling")
 
-BIND_TOOLS_MESSAGE = (
-    "ChatFusionRAG has no tool calling: the packaged models were not trained to call tools. For typed "
-    "output use with_structured_output(schema) (Pydantic, TypedDict or JSON schema), which decodes under a "
-    "JSON-schema grammar and always parses; to run a tool, parse that output and call it yourself"
-)
-
 
 class _CompleteJsonMixin:
     """Parsers that say when `max_tokens` ended the answer before its JSON closed."""
@@ -41,7 +35,9 @@ class _CompleteJsonMixin:
             if meta.get("finish_reason") == "length":
                 raise OutputParserException(
                     f"the answer reached max_tokens ({meta.get('completion_tokens')} tokens) before its JSON was "
-                    "complete; raise max_tokens (e.g. model.bind(max_tokens=...) or the constructor's max_tokens)",
+                    "complete; raise max_tokens: the constructor's max_tokens, or model.with_structured_output(schema)"
+                    ".bind(max_tokens=...) (a model.bind(max_tokens=...) before with_structured_output is dropped "
+                    "by LangChain's binding)",
                     llm_output=result[0].text,
                 )
         return super().parse_result(result, partial=partial)  # type: ignore[misc]
@@ -110,4 +106,4 @@ def with_structured_output(
     return RunnableMap(raw=bound) | parsed.with_fallbacks([unparsed], exception_key="parsing_error")
 
 
-__all__ = ["BIND_TOOLS_MESSAGE", "METHODS", "with_structured_output"]
+__all__ = ["METHODS", "with_structured_output"]
