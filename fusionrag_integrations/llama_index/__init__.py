@@ -1,7 +1,8 @@
 """LlamaIndex integration: FusionRAG's cache reuse behind LlamaIndex's LLM, retriever, query engine
 and ingestion interfaces.
 
-* `FusionRAGLLM`: a `CustomLLM`; reuses caches of chunks marked in its (flattened) prompts.
+* `FusionRAGLLM`: a `FunctionCallingLLM`; reuses caches of the chunks its prompts hold, and calls tools
+  (FunctionAgent, predict_and_call).
 * `FusionRAGEmbedding`: the offline all-MiniLM-L6-v2 as a LlamaIndex embed model.
 * `FusionKVTransform`: an `IngestionPipeline` step that names nodes by chunk id and builds their
   (fused) KV caches.

@@ -1,4 +1,4 @@
-"""FusionRAGLLM: a LlamaIndex `CustomLLM` backed by a `FusionEngine`.
+"""FusionRAGLLM: a LlamaIndex `FunctionCallingLLM` backed by a `FusionEngine`.
 
 Prompts arrive flattened (one string, or chat messages). Stored chunks whose text occurs in them
 (ingested with `FusionKVTransform`, or learned) are found by content (`fusionrag_core.recognise.content_index`),
@@ -6,6 +6,11 @@ as are `mark_chunk` marks, and their caches reused; other text is prefilled. Nod
 retrieved (seen through LlamaIndex instrumentation, observe.py) that had no cache are learned as
 caches. So the standard `index.as_query_engine(llm=FusionRAGLLM(...))` gets reuse with its default
 synthesizer and templates; `FusionRAGQueryEngine` builds the canonical prompt directly instead.
+
+It calls tools (`chat_with_tools`, `predict_and_call`, `FunctionAgent`): the tools are shown with
+the messages, the answer decodes under the tool grammar and its calls come back as LlamaIndex's own
+integrations return them (`tools.py`). A tool's result is a message like any other: the stored
+chunks it quotes are reused, and the nodes a retriever inside the tool returned are learned there.
 
 This module translates LlamaIndex's prompts, options and responses; the reuse itself (where caches
 come from, learning, the engine call, the no-reuse warning) is `fusionrag_integrations.session`'s,
@@ -17,7 +22,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from llama_index.core.base.llms.types import (
@@ -29,18 +35,18 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
-    MessageRole,
-    TextBlock,
 )
 from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
 from llama_index.core.types import PydanticProgramMode
 
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.paths import DEFAULT_COLLECTION, kv_dir
+from fusionrag_core.query.tools import InvalidToolCall, ToolCall, split_calls
 from fusionrag_core.recognise.marks import clean_output
 from fusionrag_core.runtime.loading import check_device
 from fusionrag_core.store import DiskKVStore, KVStore, open_store
@@ -49,14 +55,23 @@ from fusionrag_integrations.fields import OptionFields, ReuseFields
 from fusionrag_integrations.llama_index.aio import call_in_thread, iterate_in_thread
 from fusionrag_integrations.llama_index.calls import record, recording
 from fusionrag_integrations.llama_index.observe import record_call, retrieved_texts
-from fusionrag_integrations.request import RESPONSE_FORMAT, generation_stats
+from fusionrag_integrations.llama_index.tools import Reply, chat_kwargs, message_dict, quoted, tool_selections
+from fusionrag_integrations.request import RESPONSE_FORMAT, TOOL_OPTIONS, generation_stats
 from fusionrag_integrations.response_format import json_schema_format
 from fusionrag_integrations.session import ReuseSession
 
+if TYPE_CHECKING:
+    from llama_index.core.tools.types import BaseTool
+
 Model = TypeVar("Model", bound=BaseModel)
+_Piece = str | ToolCall | InvalidToolCall | Generation
+
+# NOTE: set while a structured_predict picks its program: LlamaIndex gives a function-calling LLM a
+# FunctionCallingProgram, this one keeps its grammar-constrained text program (no tool prompt).
+_TEXT_PROGRAM: ContextVar[bool] = ContextVar("fusionrag_text_program", default=False)
 
 
-class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
+class FusionRAGLLM(OptionFields, ReuseFields, FunctionCallingLLM):
     """A LlamaIndex LLM that reuses chunk KV caches (FusionRAG) for the chunks its prompts hold: found by
     mark or by content, or learned from an earlier prompt that held them.
 
@@ -69,6 +84,13 @@ class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
     Pydantic class. Responses carry `request.generation_stats` (TTFT, reused/recomputed tokens,
     ...) in `additional_kwargs` and `raw`; when streaming, the last response (empty `delta`)
     carries it.
+
+    Tools: `chat_with_tools(tools, ..., tool_required=...)` (and its async and streaming forms),
+    `predict_and_call`, `FunctionAgent`; or `chat(messages, tools=[OpenAI tool dicts],
+    tool_choice=..., parallel_tool_calls=...)`. The answer's calls are `ToolCallBlock`s of the
+    response message and OpenAI-shaped dicts in its `additional_kwargs["tool_calls"]` (calls that
+    did not parse: `additional_kwargs["invalid_tool_calls"]`); `get_tool_calls_from_response`
+    reads them.
 
     Example:
         >>> llm = FusionRAGLLM(store="./fusionrag-data/kv")
@@ -184,6 +206,7 @@ class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
             model_name=engine.name,
             # NOTE: a chat model makes `predict` send messages, rendered by the model's own chat template.
             is_chat_model=engine.layout.has_template,
+            is_function_calling_model=not _TEXT_PROGRAM.get(),
         )
 
     def _get_prompt(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
@@ -195,16 +218,22 @@ class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
     # ---- the engine call shared by every entry point --------------------------------------------
     # NOTE: every entry point reads the query's retrieved nodes (`retrieved_texts`) when it is called,
     # inside the query's spans: a stream's generator runs as the response is read, after they closed.
-    def _answer(self, messages: Sequence[dict[str, str]], overrides: dict[str, Any],
-                retrieved: Sequence[str]) -> Iterator[str | Generation]:
-        """Text pieces, then the Generation; the `retrieved` node texts are learnable."""
+    def _answer(self, messages: Sequence[dict[str, Any]], overrides: dict[str, Any],
+                retrieved: Sequence[str]) -> Iterator[_Piece]:
+        """Text pieces, then the Generation; the `retrieved` node texts are learnable. With tools
+        (`overrides`' `tools`, `tool_choice`, `parallel_tool_calls`), each call is parsed out of
+        the text as it completes (a ToolCall, or an InvalidToolCall: never an exception)."""
         options = self.request_options(overrides)
-        return self.reuse_session().answer(messages, options, retrieved)
+        pieces = self.reuse_session().answer(messages, options, retrieved)
+        if options.tools is None:
+            return pieces
+        return split_calls(pieces, self.engine.tool_format, options.tools)
 
     # ---- structured output -------------------------------------------------------------------------
-    # NOTE: LlamaIndex's structured_predict / as_structured_llm run an LLMTextCompletionProgram
-    # (this LLM calls no functions): schema instructions in the prompt, then a Pydantic parse of
-    # the answer. Here the program's chat call also carries the schema's response_format, so
+    # NOTE: LlamaIndex's structured_predict / as_structured_llm run an LLMTextCompletionProgram here
+    # (not the FunctionCallingProgram it picks for function-calling LLMs: `_TEXT_PROGRAM`; a
+    # structured answer needs no tool prompt): schema instructions in the prompt, then a Pydantic
+    # parse of the answer. Here the program's chat call also carries the schema's response_format, so
     # decoding runs under its grammar (llguidance) and the answer always parses; the context's
     # chunk caches are reused as without it.
     def structured_predict(self, output_cls: type[Model], prompt: PromptTemplate,
@@ -233,14 +262,16 @@ class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
     def _structured_stream_call(self, output_cls: type[Model], prompt: PromptTemplate,
                                 llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Any:
         _check_program_mode(self)
-        return super()._structured_stream_call(output_cls, prompt, _constrained(output_cls, llm_kwargs),
-                                               **prompt_args)
+        with _text_program():
+            return super()._structured_stream_call(output_cls, prompt, _constrained(output_cls, llm_kwargs),
+                                                   **prompt_args)
 
     async def _structured_astream_call(self, output_cls: type[Model], prompt: PromptTemplate,
                                        llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Any:
         _check_program_mode(self)
-        return await super()._structured_astream_call(output_cls, prompt, _constrained(output_cls, llm_kwargs),
-                                                      **prompt_args)
+        with _text_program():
+            return await super()._structured_astream_call(output_cls, prompt,
+                                                          _constrained(output_cls, llm_kwargs), **prompt_args)
 
     # ---- completion ------------------------------------------------------------------------------
     def _completion_messages(self, prompt: str, formatted: bool) -> list[dict[str, str]]:
@@ -282,12 +313,14 @@ class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
 
     def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any],
                   retrieved: Sequence[str]) -> CompletionResponse:
+        _refuse_tools(kwargs)
         generation = _last(self._answer(self._completion_messages(prompt, formatted), kwargs, retrieved))
         meta = _finished(generation)
         return CompletionResponse(text=clean_output(generation.text), additional_kwargs=meta, raw=meta)
 
     def _stream_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any],
                            retrieved: Sequence[str]) -> CompletionResponseGen:
+        _refuse_tools(kwargs)
         messages = self._completion_messages(prompt, formatted)
         for text, delta, meta in _accumulate(self._answer(messages, kwargs, retrieved)):
             yield CompletionResponse(text=text, delta=delta, additional_kwargs=meta, raw=meta or None)
@@ -315,17 +348,58 @@ class FusionRAGLLM(OptionFields, ReuseFields, CustomLLM):
         retrieved = retrieved_texts()
         return iterate_in_thread(lambda: self._stream_chat(messages, kwargs, retrieved))
 
+    def _chat_answer(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any],
+                     retrieved: Sequence[str]) -> Iterator[_Piece]:
+        """`_answer` on the messages as OpenAI dicts; in a tool loop (tools bound, or tool results
+        in the history) the retrieved texts are those the messages quote (`tools.quoted`)."""
+        dicts = [message_dict(m) for m in messages]
+        if kwargs.get("tools") or any(d["role"] == "tool" for d in dicts):
+            retrieved = quoted(retrieved, dicts)
+        return self._answer(dicts, kwargs, retrieved)
+
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], retrieved: Sequence[str]) -> ChatResponse:
-        generation = _last(self._answer([_message_dict(m) for m in messages], kwargs, retrieved))
+        reply, generation = Reply(), None
+        for piece in self._chat_answer(messages, kwargs, retrieved):
+            if isinstance(piece, Generation):
+                generation = piece
+            else:
+                reply.add(piece)
+        assert generation is not None  # NOTE: ReuseSession.run ends with the Generation
         meta = _finished(generation)
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=clean_output(generation.text)),
-                            additional_kwargs=meta, raw=meta)
+        return ChatResponse(message=reply.message(), additional_kwargs=meta, raw=meta)
 
     def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any],
                      retrieved: Sequence[str]) -> ChatResponseGen:
-        for text, delta, meta in _accumulate(self._answer([_message_dict(m) for m in messages], kwargs, retrieved)):
-            yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
-                               additional_kwargs=meta, raw=meta or None)
+        """Cumulative messages (text and the calls completed so far); the last one carries the stats."""
+        reply = Reply()
+        for piece in self._chat_answer(messages, kwargs, retrieved):
+            if isinstance(piece, Generation):
+                meta = _finished(piece)
+                yield ChatResponse(message=reply.message(), delta="", additional_kwargs=meta, raw=meta)
+            else:
+                delta = reply.add(piece)
+                yield ChatResponse(message=reply.message(), delta=delta, additional_kwargs={}, raw=None)
+
+    # ---- tools -----------------------------------------------------------------------------------
+    def _prepare_chat_with_tools(self, tools: Sequence[BaseTool], user_msg: str | ChatMessage | None = None,
+                                 chat_history: list[ChatMessage] | None = None, verbose: bool = False,
+                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
+                                 tool_choice: str | dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+        """`chat` keyword arguments: `messages` (history, then `user_msg`), `tools` (OpenAI dicts),
+        `tool_choice` ("required" if `tool_required`, else "auto", unless `tool_choice` names one)
+        and `parallel_tool_calls`, with the other keyword arguments (per-call options)."""
+        return chat_kwargs(tools, user_msg, chat_history, allow_parallel_tool_calls=allow_parallel_tool_calls,
+                           tool_required=tool_required, tool_choice=tool_choice, kwargs=kwargs)
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[ToolSelection]:
+        """The calls in `response`'s message, as ToolSelections.
+
+        Raises:
+            InvalidRequestError: (a ValueError) no call, and `error_on_no_tool_call`; it names
+                the calls that did not parse, if any.
+        """
+        return tool_selections(response, error_on_no_tool_call)
 
 
 def _constrained(output_cls: type[BaseModel], llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -349,11 +423,22 @@ def _check_program_mode(llm: FusionRAGLLM) -> None:
 
 @contextmanager
 def _structured_call(llm: FusionRAGLLM) -> Iterator[list[dict[str, Any]]]:
-    """Check the program mode; collect the statistics of the LLM calls made inside."""
+    """Check the program mode; collect the statistics of the LLM calls made inside, which run
+    the text program."""
     _check_program_mode(llm)
     calls: list[dict[str, Any]] = []
-    with recording(calls):
+    with recording(calls), _text_program():
         yield calls
+
+
+@contextmanager
+def _text_program() -> Iterator[None]:
+    """Within this block, LlamaIndex picks the text-completion program for this LLM (see `_TEXT_PROGRAM`)."""
+    token = _TEXT_PROGRAM.set(True)
+    try:
+        yield
+    finally:
+        _TEXT_PROGRAM.reset(token)
 
 
 def _parsed(calls: list[dict[str, Any]], predict: Callable[[], Model]) -> Model:
@@ -378,20 +463,16 @@ def _raise_if_truncated(calls: list[dict[str, Any]], exc: Exception) -> None:
         ) from exc
 
 
-def _message_dict(message: ChatMessage) -> dict[str, str]:
-    """A ChatMessage as the `{"role", "content"}` dict chat templates take.
+def _refuse_tools(kwargs: dict[str, Any]) -> None:
+    """Completions have no place for calls.
 
     Raises:
-        InvalidRequestError: the message holds non-text blocks (images, audio, tool calls...).
+        InvalidRequestError: tool options were given.
     """
-    others = sorted({type(b).__name__ for b in message.blocks if not isinstance(b, TextBlock)})
-    if others:
-        raise InvalidRequestError(
-            f"a {message.role.value} message holds {', '.join(others)} blocks; FusionRAGLLM is text-only: "
-            "send text content"
-        )
-    content = message.content or ""
-    return {"role": message.role.value, "content": content}
+    given = sorted(set(kwargs) & set(TOOL_OPTIONS))
+    if given:
+        raise InvalidRequestError(f"complete() got {', '.join(given)}; tools are chat options: use chat(messages, "
+                                  "tools=...) or chat_with_tools(tools, ...)")
 
 
 def _as_text(prompt_args: dict[str, Any]) -> dict[str, Any]:
@@ -413,7 +494,7 @@ def _finished(generation: Generation) -> dict[str, Any]:
     return meta
 
 
-def _last(pieces: Iterator[str | Generation]) -> Generation:
+def _last(pieces: Iterator[_Piece]) -> Generation:
     """The finished Generation at the end of `ReuseSession.run`'s pieces."""
     for piece in pieces:
         if isinstance(piece, Generation):
@@ -421,13 +502,14 @@ def _last(pieces: Iterator[str | Generation]) -> Generation:
     raise AssertionError("ReuseSession.run ends with the Generation")
 
 
-def _accumulate(pieces: Iterator[str | Generation]) -> Iterator[tuple[str, str, dict[str, Any]]]:
-    """`(text so far, delta, metadata)` per piece, then a final `(text, "", stats)` once generation ends."""
+def _accumulate(pieces: Iterator[_Piece]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """`(text so far, delta, metadata)` per text piece, then a final `(text, "", stats)` once generation
+    ends (a completion's pieces: it binds no tools, so holds no calls)."""
     text = ""
     for piece in pieces:
         if isinstance(piece, Generation):
             yield text, "", _finished(piece)
-        else:
+        elif isinstance(piece, str):
             text += piece
             yield text, piece, {}
 
