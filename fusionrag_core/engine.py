@@ -383,6 +383,18 @@ class FusionEngine:
         return self.layout.from_messages(messages, find=find, documents=documents, has_cache=has_cache, spans=spans,
                                          tools=tools)
 
+    def prompt_from_text(
+        self,
+        text: str,
+        *,
+        find: Callable[[str], Sequence[Match]] | None = None,
+        documents: Mapping[str, str] | None = None,
+        has_cache: Callable[[str], bool] | None = None,
+        spans: Mapping[str, str] | None = None,
+    ) -> FusionPrompt:
+        """A raw text request (a completion, no chat template), chunks found as in `prompt_from_messages`."""
+        return self.layout.from_text(text, find=find, documents=documents, has_cache=has_cache, spans=spans)
+
     @property
     def tool_format(self) -> ToolCallFormat:
         """How this model writes tool calls (its template's syntax, or the fallback's)."""

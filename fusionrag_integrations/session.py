@@ -128,6 +128,11 @@ class ReuseSession:
         are shown with the messages."""
         return sources.prompt(self.engine, messages, retrieved, tools)
 
+    def prompt_from_text(self, text: str, sources: ReuseSources, retrieved: Sequence[str] = ()) -> FusionPrompt:
+        """A raw text prompt (a completion, no chat template) as a FusionPrompt, chunks found and
+        learned as by `prompt`."""
+        return sources.prompt_from_text(self.engine, text, retrieved)
+
     def answer(self, messages: Sequence[Mapping[str, Any]], options: RequestOptions,
                retrieved: Sequence[str] = ()) -> Iterator[str | Generation]:
         """Answer `messages`: `prompt` (with the options' tools), then `run`, both with this

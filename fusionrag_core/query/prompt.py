@@ -273,6 +273,33 @@ class PromptLayout:
         every mark is taken at its id. `tools`, when given, are rendered with the messages (`render`).
         """
         rendered = self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        return self.from_rendered(rendered, find=find, documents=documents, has_cache=has_cache, spans=spans)
+
+    def from_text(
+        self,
+        text: str,
+        *,
+        find: Callable[[str], Sequence[Match]] | None = None,
+        documents: Mapping[str, str] | None = None,
+        has_cache: Callable[[str], bool] | None = None,
+        spans: Mapping[str, str] | None = None,
+    ) -> FusionPrompt:
+        """A raw text prompt (a completion: no chat template), split at the chunks found in it as
+        `from_messages` does. Special-token strings in `text` stay text."""
+        if not text.strip():
+            raise InvalidRequestError("the prompt is empty: pass a non-empty prompt")
+        return self.from_rendered(self.escape(text), find=find, documents=documents, has_cache=has_cache, spans=spans)
+
+    def from_rendered(
+        self,
+        rendered: str,
+        *,
+        find: Callable[[str], Sequence[Match]] | None = None,
+        documents: Mapping[str, str] | None = None,
+        has_cache: Callable[[str], bool] | None = None,
+        spans: Mapping[str, str] | None = None,
+    ) -> FusionPrompt:
+        """`rendered` (`render`'s output, or escaped text) as a FusionPrompt; see `from_messages`."""
         docs = {cid: self.escape(doc) for cid, doc in (documents or {}).items()}
         cut = {cid: self.escape(span) for cid, span in (spans or {}).items()}
         pieces: list[str | _Found] = []

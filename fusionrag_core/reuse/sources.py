@@ -83,6 +83,18 @@ class ReuseSources(KVStore):
         (`spans.conversation_spans`). A mark whose id has no cache here is found by its text (see
         `PromptLayout.from_messages`). `tools` are rendered with the messages (the tool list is
         template text: never cut into spans)."""
+        docs, cut = self._learnable(engine, [str(m.get("content") or "") for m in messages], documents)
+        return engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_cache,
+                                           spans=cut, tools=tools)
+
+    def prompt_from_text(self, engine: FusionEngine, text: str, documents: Sequence[str] = ()) -> FusionPrompt:
+        """A raw text prompt (a completion) as a FusionPrompt, chunks found and learned as in `prompt`."""
+        docs, cut = self._learnable(engine, [text], documents)
+        return engine.prompt_from_text(text, find=self.find, documents=docs, has_cache=self.has_cache, spans=cut)
+
+    def _learnable(self, engine: FusionEngine, contents: Sequence[str],
+                   documents: Sequence[str]) -> tuple[dict[str, str], dict[str, str]]:
+        """(documents, spans) by content id: what the prompt may learn (nothing, if learning is off)."""
         docs: dict[str, str] = {}
         cut: dict[str, str] = {}
         self.retrieved = sum(1 for text in documents if text.strip())
@@ -93,10 +105,9 @@ class ReuseSources(KVStore):
                     docs[content_id(text, engine.fingerprint)] = text
             # NOTE: a retriever's documents say where documents start and end; only without them
             # does the text alone say it.
-            for span in () if docs else conversation_spans([str(m.get("content") or "") for m in messages]):
+            for span in () if docs else conversation_spans(contents):
                 cut.setdefault(content_id(span, engine.fingerprint), span)
-        return engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_cache,
-                                           spans=cut, tools=tools)
+        return docs, cut
 
     def has_cache(self, chunk_id: str) -> bool:
         """Whether any cache variant of `chunk_id` is stored here (ingested or learned)."""

@@ -1,0 +1,397 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one `ReuseSession` (engine, KV store,
+learned caches).
+
+    POST /v1/chat/completions   chat (SSE when `stream`), tools, response_format
+    POST /v1/completions        raw text continued (SSE when `stream`)
+    GET  /v1/models             the one served model
+    GET  /health                liveness
+    GET  /metrics               Prometheus text (metrics.py)
+
+Every prompt gets the reuse an in-process call gets: stored chunks found by content, learned
+caches, spans learned from context (`ReuseSession`). A request waits in a bounded queue
+(admission.py) and is answered 429 with `Retry-After` when it is full. The first token is
+computed before the response starts, so a bad prompt is a 400, never a broken stream; a client
+that disconnects stops its generation at the next token and frees its slot. Errors use OpenAI's
+`{"error": {"message", "type", "param", "code"}}` body. Prompts and answers are never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from fusionrag_core.engine import Generation
+from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.query.prompt import FusionPrompt
+from fusionrag_core.query.tools import InvalidToolCall, ToolCall, split_calls, tool_request
+from fusionrag_core.reuse.sources import ReuseSources
+from fusionrag_integrations.request import RequestOptions
+from fusionrag_integrations.server.admission import Admission, QueueFullError
+from fusionrag_integrations.server.config import ServerConfig
+from fusionrag_integrations.server.metrics import Metrics
+from fusionrag_integrations.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Envelope,
+    finish_reason,
+    fusionrag_stats,
+    sse,
+    tool_call_dict,
+    usage,
+)
+from fusionrag_integrations.session import ReuseSession
+
+logger = logging.getLogger(__name__)
+Piece = str | ToolCall | InvalidToolCall | Generation
+_END = object()
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+"""Metric label of each generation route."""
+
+
+class HTTPError(Exception):
+    """An error answered with `status` and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.headers = status, message, kind, code, headers or {}
+
+
+def create_app(session: ReuseSession, config: ServerConfig | None = None) -> FastAPI:
+    """A FastAPI app serving `session`'s model under the OpenAI API (see the module docstring)."""
+    config = config or ServerConfig()
+    server = _Server(session, config)
+    app = FastAPI(title="FusionRAG", summary="OpenAI-compatible server with FusionRAG KV-cache reuse")
+    app.add_middleware(_BodyLimit, max_bytes=config.max_body_bytes)
+    app.state.server = server
+    _add_error_handlers(app, server)
+    auth = [Depends(server.authorize)]
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
+    app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/completions", server.completion, methods=["POST"], dependencies=auth)
+    return app
+
+
+class _Server:
+    """The routes' shared state: session, limits, queue, metrics. No per-request state lives here."""
+
+    def __init__(self, session: ReuseSession, config: ServerConfig) -> None:
+        self.session = session
+        self.config = config
+        self.name = session.engine.name
+        self.admission = Admission(config.max_running, config.max_waiting)
+        self.metrics_ = Metrics()
+
+    # ---- small routes --------------------------------------------------------------------------------
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok", "model": self.name}
+
+    async def metrics_text(self) -> Response:
+        body = self.metrics_.render(self.admission.running, self.admission.waiting)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "fusionrag"}]}
+
+    async def authorize(self, request: Request) -> None:
+        """Require `Authorization: Bearer <api_key>` when a key is set (compared in constant time)."""
+        if self.config.api_key is None:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), self.config.api_key.encode()):
+            raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error",
+                            "invalid_api_key")
+
+    # ---- generation routes ----------------------------------------------------------------------------
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check(body)
+        tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls) if body.tools else None
+        if tools is None and (body.tool_choice not in (None, "none", "auto") or body.parallel_tool_calls is not None):
+            raise InvalidRequestError("tool_choice / parallel_tool_calls were given without tools")
+        options = RequestOptions.from_values(body.sampling_values(self.config.default_max_tokens),
+                                             response_format=body.response_format_value(), tools=tools)
+        messages = body.chat_messages()
+
+        def prompt(sources: ReuseSources) -> FusionPrompt:
+            return self.session.prompt(messages, sources, (), tools)
+        stream = _Stream(self, "chat", Envelope("chatcmpl", self.name), body.stream_options is not None
+                         and body.stream_options.include_usage)
+        return await stream.respond(request, options, prompt, body.stream)
+
+    async def completion(self, body: CompletionRequest, request: Request) -> Response:
+        self._check(body)
+        options = RequestOptions.from_values(body.sampling_values(self.config.default_max_tokens))
+        text = body.text()
+
+        def prompt(sources: ReuseSources) -> FusionPrompt:
+            return self.session.prompt_from_text(text, sources)
+        stream = _Stream(self, "completion", Envelope("cmpl", self.name), body.stream_options is not None
+                         and body.stream_options.include_usage)
+        return await stream.respond(request, options, prompt, body.stream)
+
+    def _check(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        body.check_supported()
+        if body.model not in (None, self.name):
+            raise HTTPError(404, f"model {body.model!r} does not exist: this server serves {self.name!r}",
+                            code="model_not_found")
+
+    def check_length(self, prompt: FusionPrompt) -> None:
+        limit = self.config.max_prompt_tokens
+        if limit is not None and prompt.num_tokens > limit:
+            raise HTTPError(400, f"the prompt has {prompt.num_tokens} tokens; this server's limit is {limit} "
+                                 "(max_prompt_tokens): shorten it", code="context_length_exceeded")
+
+
+class _Stream:
+    """One request's generation: admitted, first token computed, then answered whole or as SSE.
+
+    Per request (never shared): the pieces iterator, the envelope, what was generated.
+    """
+
+    def __init__(self, server: _Server, endpoint: str, envelope: Envelope, include_usage: bool) -> None:
+        self.server, self.endpoint, self.envelope, self.include_usage = server, endpoint, envelope, include_usage
+        self.calls: list[ToolCall] = []
+        self.invalid: list[InvalidToolCall] = []
+
+    async def respond(self, request: Request, options: RequestOptions,
+                      prompt: Callable[[ReuseSources], FusionPrompt], streaming: bool) -> Response:
+        exits = AsyncExitStack()
+        await exits.enter_async_context(self.server.admission.slot())
+        try:
+            pieces = await anyio.to_thread.run_sync(self._start, options, prompt)
+            exits.callback(_close, pieces)
+            first = await anyio.to_thread.run_sync(next, pieces, _END)  # NOTE: prefill: a bad prompt fails here
+        except BaseException:
+            await exits.aclose()
+            raise
+        if not streaming:
+            async with exits:
+                return JSONResponse(await self._whole(request, pieces, first))
+        return _ReleasingStream(self._events(request, pieces, first), exits, media_type="text/event-stream")
+
+    def _start(self, options: RequestOptions, prompt: Callable[[ReuseSources], FusionPrompt]) -> Iterator[Piece]:
+        session = self.server.session
+        sources = session.sources(options)
+        request_prompt = prompt(sources)
+        self.server.check_length(request_prompt)
+        pieces: Iterator[Piece] = session.run(request_prompt, options, sources)
+        if options.tools is not None:
+            pieces = split_calls(pieces, session.engine.tool_format, options.tools)
+        return pieces
+
+    async def _pieces(self, request: Request, pieces: Iterator[Piece], first: Any) -> AsyncIterator[Piece]:
+        """The pieces, each pulled in a worker thread; stops when the client has gone."""
+        piece = first
+        while piece is not _END:
+            yield piece
+            if isinstance(piece, Generation) or await request.is_disconnected():
+                return
+            piece = await anyio.to_thread.run_sync(next, pieces, _END)
+
+    async def _whole(self, request: Request, pieces: Iterator[Piece], first: Any) -> dict[str, Any]:
+        text: list[str] = []
+        generation: Generation | None = None
+        async for piece in self._pieces(request, pieces, first):
+            if isinstance(piece, Generation):
+                generation = piece
+            else:
+                text.append(self._text_of(piece))
+        if generation is None:
+            raise HTTPError(499, "the client disconnected", code="client_closed")
+        self._finished(generation)
+        content = "".join(text)
+        if self.endpoint == "completion":
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": generation.finish_reason}
+            return self.envelope.wrap("text_completion", [choice], usage=usage(generation),
+                                      fusionrag=fusionrag_stats(generation, self.invalid))
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if self.calls else "")}
+        if self.calls:
+            message["tool_calls"] = [tool_call_dict(c) for c in self.calls]
+        choice = {"index": 0, "message": message, "logprobs": None,
+                  "finish_reason": finish_reason(generation, self.calls)}
+        return self.envelope.wrap("chat.completion", [choice], usage=usage(generation),
+                                  fusionrag=fusionrag_stats(generation, self.invalid))
+
+    async def _events(self, request: Request, pieces: Iterator[Piece], first: Any) -> AsyncIterator[str]:
+        if self.endpoint == "chat":
+            yield sse(self._chunk({"role": "assistant", "content": ""}))
+        async for piece in self._pieces(request, pieces, first):
+            if isinstance(piece, Generation):
+                yield self._finish_event(piece)
+                if self.include_usage:
+                    yield sse(self.envelope.wrap(self._kind, [], usage=usage(piece),
+                                                 fusionrag=fusionrag_stats(piece, self.invalid)))
+                yield sse("[DONE]")
+            elif isinstance(piece, ToolCall):
+                self.calls.append(piece)
+                yield sse(self._chunk({"tool_calls": [tool_call_dict(piece, len(self.calls) - 1)]}))
+            else:
+                yield sse(self._chunk(self._delta(self._text_of(piece))))
+
+    @property
+    def _kind(self) -> str:
+        return "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
+
+    def _chunk(self, delta: dict[str, Any] | str, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        if self.endpoint == "chat":
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+        return self.envelope.wrap(self._kind, [choice], **extra)
+
+    def _delta(self, text: str) -> dict[str, Any] | str:
+        return {"content": text} if self.endpoint == "chat" else text
+
+    def _text_of(self, piece: str | ToolCall | InvalidToolCall) -> str:
+        """A piece's text; a call is kept aside (an invalid one also shows as text, as the model wrote it)."""
+        if isinstance(piece, ToolCall):
+            self.calls.append(piece)
+            return ""
+        if isinstance(piece, InvalidToolCall):
+            self.invalid.append(piece)
+            return piece.text
+        return piece
+
+    def _finish_event(self, generation: Generation) -> str:
+        """The stream's finishing chunk (empty delta, finish reason, FusionRAG's statistics)."""
+        self._finished(generation)
+        empty: dict[str, Any] | str = {} if self.endpoint == "chat" else ""
+        return sse(self._chunk(empty, finish_reason(generation, self.calls),
+                               fusionrag=fusionrag_stats(generation, self.invalid)))
+
+    def _finished(self, generation: Generation) -> None:
+        self.server.metrics_.record(generation)
+        self.server.metrics_.requests.labels(self.endpoint, "200").inc()
+        logger.info("%s %s: %d prompt tokens (%d reused), %d generated, ttft %.3f s", self.endpoint,
+                    self.envelope.id, generation.prompt_tokens, generation.reused_tokens, len(generation.token_ids),
+                    generation.ttft_s)
+
+
+def _close(pieces: Iterator[Piece]) -> None:
+    """End a generation early (a disconnected client): its generator's KV is dropped now."""
+    close = getattr(pieces, "close", None)
+    if close is not None:
+        close()
+
+
+class _ReleasingStream(StreamingResponse):
+    """A streamed response that releases its request's slot and generation however it ends
+    (finished, failed, or cancelled by a client that went away)."""
+
+    def __init__(self, content: AsyncIterator[str], exits: AsyncExitStack, media_type: str) -> None:
+        super().__init__(content, media_type=media_type)
+        self.exits = exits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.exits.aclose()
+
+
+class _BodyLimit:
+    """Answers 413 (naming the limit) for a body longer than `max_bytes`, declared or streamed."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(send)
+            return
+        seen = 0
+
+        async def limited() -> Any:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise HTTPError(413, self._message(), code="body_too_large")
+            return message
+        await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return f"the request body is larger than this server's limit of {self.max_bytes} bytes (max_body_bytes)"
+
+    async def _too_large(self, send: Send) -> None:
+        response = _error(HTTPError(413, self._message(), code="body_too_large"))
+        await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> dict[str, Any]:
+    return {"type": "http.disconnect"}
+
+
+def _error(error: HTTPError) -> JSONResponse:
+    body = {"error": {"message": error.message, "type": error.kind, "param": None, "code": error.code}}
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+def _add_error_handlers(app: FastAPI, server: _Server) -> None:
+    def endpoint(request: Request) -> str:
+        return _ENDPOINTS.get(request.url.path, request.url.path)
+
+    def answer(request: Request, error: HTTPError) -> JSONResponse:
+        server.metrics_.requests.labels(endpoint(request), str(error.status)).inc()
+        server.metrics_.errors.labels(endpoint(request), error.code or error.kind).inc()
+        return _error(error)
+
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPError)
+        return answer(request, exc)
+
+    async def on_invalid(request: Request, exc: Exception) -> JSONResponse:
+        return answer(request, HTTPError(400, str(exc)))
+
+    async def on_full(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, QueueFullError)
+        return answer(request, HTTPError(429, str(exc), "rate_limit_error", "queue_full",
+                                         {"Retry-After": str(exc.retry_after_s)}))
+
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return answer(request, HTTPError(400, _validation_message(exc)))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error on %s", request.url.path)  # NOTE: the traceback, never the prompt
+        return answer(request, HTTPError(500, f"internal error ({type(exc).__name__}); see the server log",
+                                         "server_error"))
+
+    app.add_exception_handler(HTTPError, on_http)
+    app.add_exception_handler(InvalidRequestError, on_invalid)
+    app.add_exception_handler(QueueFullError, on_full)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    """Pydantic's errors as one sentence that names each field (and says when the JSON is malformed)."""
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+        if error.get("type") == "json_invalid":
+            parts.append(f"the body is not valid JSON ({error.get('msg')})")
+        elif error.get("type") == "extra_forbidden":
+            parts.append(f"unsupported field {where!r}: this server does not do it; remove it")
+        else:
+            parts.append(f"{where or 'body'}: {error.get('msg')}")
+    return "; ".join(parts)
+
+
+__all__ = ["HTTPError", "create_app"]

@@ -1,0 +1,54 @@
+"""What a `fusionrag serve` server allows: where it listens, who may call it, how much it takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fusionrag_core.errors import InvalidRequestError
+
+LOOPBACK = "127.0.0.1"
+API_KEY_ENV = "FUSIONRAG_API_KEY"
+"""The environment variable a server reads its API key from when none is passed (a secret: never an
+option in a file)."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Limits and access of one OpenAI-compatible server.
+
+    Attributes:
+        host: address to bind; loopback unless told otherwise.
+        port: TCP port.
+        api_key: None: no authentication; else every /v1 request needs `Authorization: Bearer <key>`.
+        max_running: requests generating at once (they share the engine's cores).
+        max_waiting: requests queued behind them; one more is answered 429 with `Retry-After`.
+        max_body_bytes: largest request body; larger ones are answered 413.
+        max_prompt_tokens: longest prompt; None: the model's context window (less the answer's budget).
+        default_max_tokens: answer budget when a request sets none.
+
+    Raises:
+        InvalidRequestError: a limit below 1.
+    """
+
+    host: str = LOOPBACK
+    port: int = 8000
+    api_key: str | None = None
+    max_running: int = 1
+    max_waiting: int = 64
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_prompt_tokens: int | None = None
+    default_max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_body_bytes", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_waiting < 0:
+            raise InvalidRequestError(f"max_waiting must be at least 0, got {self.max_waiting}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise InvalidRequestError(f"max_prompt_tokens must be at least 1, got {self.max_prompt_tokens}")
+        if not 0 <= self.port <= 65535:
+            raise InvalidRequestError(f"port must be in 0..65535, got {self.port}")
+
+
+__all__ = ["API_KEY_ENV", "LOOPBACK", "ServerConfig"]

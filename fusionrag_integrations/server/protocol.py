@@ -1,0 +1,217 @@
+"""The OpenAI wire format: request bodies in (validated, nothing ignored), response bodies out.
+
+A request field we do not honour is an error that names it (`extra="forbid"`, and the checks in
+`check_supported`); a field we honour becomes a `RequestOptions` value. Responses follow OpenAI's
+shapes (`chat.completion`, `chat.completion.chunk`, `text_completion`), with `usage` counting the
+prompt tokens served from a cache as `prompt_tokens_details.cached_tokens` and FusionRAG's own
+statistics under `fusionrag`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fusionrag_core.engine import Generation
+from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.query.tools import InvalidToolCall, ToolCall
+from fusionrag_integrations.request import generation_stats
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool | int | None = None
+    user: str | None = None
+    """Accepted as OpenAI does: an end-user id for the caller's own records; it changes no answer."""
+
+    def check_supported(self) -> None:
+        """Refuse what is set but not done here.
+
+        Raises:
+            InvalidRequestError: n > 1, penalties, logprobs.
+        """
+        if self.n != 1:
+            raise InvalidRequestError(f"n={self.n} is not supported: one choice per request (n=1)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                raise InvalidRequestError(f"{name} is not supported (only 0); repetition is not penalised here")
+        if self.logprobs not in (None, False, 0):
+            raise InvalidRequestError("logprobs is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed with stream=true")
+
+    def sampling_values(self, default_max_tokens: int) -> dict[str, Any]:
+        """The request's sampling as `RequestOptions.from_values` values."""
+        values: dict[str, Any] = {"max_new_tokens": self.budget() or default_max_tokens,
+                                  "temperature": 1.0 if self.temperature is None else self.temperature}
+        if self.top_p is not None:
+            values["top_p"] = self.top_p
+        if self.seed is not None:
+            values["seed"] = self.seed
+        if self.stop is not None:
+            values["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return values
+
+    def budget(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatCompletionRequest(_Request):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def budget(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise InvalidRequestError("pass max_tokens or max_completion_tokens, not both")
+        return self.max_completion_tokens or self.max_tokens
+
+    def response_format_value(self) -> dict[str, Any] | None:
+        """`response_format`, with `{"type": "text"}` (OpenAI's default) as None."""
+        if self.response_format is not None and self.response_format.get("type") == "text":
+            return None
+        return self.response_format
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as the engine takes them (OpenAI-shaped, text content only).
+
+        Raises:
+            InvalidRequestError: an unknown role, non-text content, or a malformed message.
+        """
+        return [_chat_message(i, m) for i, m in enumerate(self.messages)]
+
+
+class CompletionRequest(_Request):
+    """`POST /v1/completions`: a raw text prompt, continued (no chat template)."""
+
+    prompt: str | list[str]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise InvalidRequestError("echo is not supported: the prompt is never repeated in the answer")
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported (no fill-in-the-middle)")
+        if self.best_of not in (None, 1):
+            raise InvalidRequestError(f"best_of={self.best_of} is not supported (1 only)")
+
+    def text(self) -> str:
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise InvalidRequestError(f"a prompt list must hold one prompt, got {len(self.prompt)}; send one "
+                                          "request per prompt")
+            return self.prompt[0]
+        return self.prompt
+
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"}
+
+
+def _chat_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(message) - _MESSAGE_KEYS)
+    if unknown:
+        raise InvalidRequestError(f"messages[{i}] has unsupported field(s) {unknown}")
+    role = _ROLES.get(str(message.get("role")))
+    if role is None:
+        raise InvalidRequestError(f"messages[{i}].role {message.get('role')!r} is not one of {sorted(_ROLES)}")
+    out: dict[str, Any] = {"role": role, "content": _text(i, message.get("content"))}
+    if message.get("tool_calls"):
+        if role != "assistant":
+            raise InvalidRequestError(f"messages[{i}]: only assistant messages carry tool_calls")
+        out["tool_calls"] = message["tool_calls"]
+    if role == "tool":
+        out["tool_call_id"] = message.get("tool_call_id")
+    return out
+
+
+def _text(i: int, content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise InvalidRequestError(f"messages[{i}].content must be text (a string or text parts); this model reads "
+                              "text only")
+
+
+# ---- responses --------------------------------------------------------------------------------------
+def usage(generation: Generation) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens served from a cache (reused chunk tokens and the
+    prefix cache) as `prompt_tokens_details.cached_tokens`."""
+    completion = len(generation.token_ids)
+    return {"prompt_tokens": generation.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": generation.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": generation.reused_tokens + generation.prefix_cached_tokens}}
+
+
+def fusionrag_stats(generation: Generation, invalid: list[InvalidToolCall]) -> dict[str, Any]:
+    """FusionRAG's statistics of a generation (JSON only), and the tool calls that did not parse."""
+    stats = generation_stats(generation)
+    stats["invalid_tool_calls"] = [{"text": c.text, "error": c.error, "name": c.name} for c in invalid]
+    return stats
+
+
+def tool_call_dict(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A call in OpenAI's shape (arguments as a JSON string); with `index` for a stream's delta."""
+    out: dict[str, Any] = {"id": call.id, "type": "function",
+                           "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+    return out if index is None else {"index": index, **out}
+
+
+def finish_reason(generation: Generation, calls: list[ToolCall]) -> Literal["stop", "length", "tool_calls"]:
+    if calls:
+        return "tool_calls"
+    return generation.finish_reason
+
+
+class Envelope:
+    """The id, creation time and model name every chunk of one response repeats."""
+
+    def __init__(self, prefix: str, model: str) -> None:
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+
+    def wrap(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "Envelope", "finish_reason", "fusionrag_stats", "sse",
+           "tool_call_dict", "usage"]
