@@ -27,10 +27,11 @@ import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from fusionrag_core.engine import Generation
-from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.errors import ContextLengthError, InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.tools import InvalidToolCall, ToolCall, split_calls, tool_request
 from fusionrag_core.reuse.sources import ReuseSources
@@ -57,12 +58,16 @@ _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 """Metric label of each generation route."""
 
 
-class HTTPError(Exception):
-    """An error answered with `status` and OpenAI's error body."""
+class HTTPError(HTTPException):
+    """An error answered with `status` and OpenAI's error body.
+
+    NOTE: a Starlette HTTPException, so FastAPI passes one raised while it reads the body (the
+    streamed body limit) through to its handler instead of answering a generic 400.
+    """
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
+        super().__init__(status, message, headers or {})
         self.status, self.message, self.kind, self.code, self.headers = status, message, kind, code, headers or {}
 
 
@@ -108,8 +113,10 @@ class _Server:
         """Require `Authorization: Bearer <api_key>` when a key is set (compared in constant time)."""
         if self.config.api_key is None:
             return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), self.config.api_key.encode()):
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer":
+            given = ""  # NOTE: the key alone, or under another scheme, is no bearer credential
+        if not hmac.compare_digest(given.strip().encode(), self.config.api_key.encode()):
             raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error",
                             "invalid_api_key")
 
@@ -119,8 +126,8 @@ class _Server:
         tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls) if body.tools else None
         if tools is None and (body.tool_choice not in (None, "none", "auto") or body.parallel_tool_calls is not None):
             raise InvalidRequestError("tool_choice / parallel_tool_calls were given without tools")
-        options = RequestOptions.from_values(body.sampling_values(self.config.default_max_tokens),
-                                             response_format=body.response_format_value(), tools=tools)
+        options = RequestOptions.from_values(self._values(body), response_format=body.response_format_value(),
+                                             tools=tools)
         messages = body.chat_messages()
 
         def prompt(sources: ReuseSources) -> FusionPrompt:
@@ -131,7 +138,7 @@ class _Server:
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         self._check(body)
-        options = RequestOptions.from_values(body.sampling_values(self.config.default_max_tokens))
+        options = RequestOptions.from_values(self._values(body))
         text = body.text()
 
         def prompt(sources: ReuseSources) -> FusionPrompt:
@@ -139,6 +146,12 @@ class _Server:
         stream = _Stream(self, "completion", Envelope("cmpl", self.name), body.stream_options is not None
                          and body.stream_options.include_usage)
         return await stream.respond(request, options, prompt, body.stream)
+
+    def _values(self, body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+        """The request's option values: its sampling, and the server's selection settings."""
+        selection = {"selector": self.config.selector, "ratio": self.config.ratio}
+        return {**body.sampling_values(self.config.default_max_tokens),
+                **{k: v for k, v in selection.items() if v is not None}}
 
     def _check(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         body.check_supported()
@@ -156,19 +169,23 @@ class _Server:
 class _Stream:
     """One request's generation: admitted, first token computed, then answered whole or as SSE.
 
-    Per request (never shared): the pieces iterator, the envelope, what was generated.
+    Per request (never shared): the pieces iterator, the envelope, what was generated, and `exits`
+    (the request's slot and generation, released once).
     """
 
     def __init__(self, server: _Server, endpoint: str, envelope: Envelope, include_usage: bool) -> None:
         self.server, self.endpoint, self.envelope, self.include_usage = server, endpoint, envelope, include_usage
+        self.exits = AsyncExitStack()
         self.calls: list[ToolCall] = []
         self.invalid: list[InvalidToolCall] = []
 
     async def respond(self, request: Request, options: RequestOptions,
                       prompt: Callable[[ReuseSources], FusionPrompt], streaming: bool) -> Response:
-        exits = AsyncExitStack()
+        exits = self.exits
         await exits.enter_async_context(self.server.admission.slot())
         try:
+            if await request.is_disconnected():  # NOTE: it gave up while queued: spend no prefill on it
+                raise HTTPError(499, "the client disconnected", code="client_closed")
             pieces = await anyio.to_thread.run_sync(self._start, options, prompt)
             exits.callback(_close, pieces)
             first = await anyio.to_thread.run_sync(next, pieces, _END)  # NOTE: prefill: a bad prompt fails here
@@ -194,6 +211,8 @@ class _Stream:
         """The pieces, each pulled in a worker thread; stops when the client has gone."""
         piece = first
         while piece is not _END:
+            if isinstance(piece, Generation):
+                await self.exits.aclose()  # NOTE: the slot frees before the client reads the answer's end
             yield piece
             if isinstance(piece, Generation) or await request.is_disconnected():
                 return
@@ -312,13 +331,15 @@ class _BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large(send)
-            return
+        too_large = declared is not None and declared.isdigit() and int(declared) > self.max_bytes
         seen = 0
 
         async def limited() -> Any:
+            # NOTE: raised as the route reads the body (a declared size before any byte is read),
+            # so the route's error handler answers and counts it
             nonlocal seen
+            if too_large:
+                raise HTTPError(413, self._message(), code="body_too_large")
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
@@ -328,14 +349,6 @@ class _BodyLimit:
 
     def _message(self) -> str:
         return f"the request body is larger than this server's limit of {self.max_bytes} bytes (max_body_bytes)"
-
-    async def _too_large(self, send: Send) -> None:
-        response = _error(HTTPError(413, self._message(), code="body_too_large"))
-        await response({"type": "http"}, _no_receive, send)
-
-
-async def _no_receive() -> dict[str, Any]:
-    return {"type": "http.disconnect"}
 
 
 def _error(error: HTTPError) -> JSONResponse:
@@ -364,6 +377,10 @@ def _add_error_handlers(app: FastAPI, server: _Server) -> None:
         return answer(request, HTTPError(429, str(exc), "rate_limit_error", "queue_full",
                                          {"Retry-After": str(exc.retry_after_s)}))
 
+    async def on_too_long(request: Request, exc: Exception) -> JSONResponse:
+        message = f"{exc} (max_new_tokens is the request's max_tokens)"
+        return answer(request, HTTPError(400, message, code="context_length_exceeded"))
+
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         return answer(request, HTTPError(400, _validation_message(exc)))
@@ -376,6 +393,7 @@ def _add_error_handlers(app: FastAPI, server: _Server) -> None:
     app.add_exception_handler(HTTPError, on_http)
     app.add_exception_handler(InvalidRequestError, on_invalid)
     app.add_exception_handler(QueueFullError, on_full)
+    app.add_exception_handler(ContextLengthError, on_too_long)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(Exception, on_unexpected)
 

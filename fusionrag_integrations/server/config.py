@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_integrations.request import RequestOptions
 
 LOOPBACK = "127.0.0.1"
 API_KEY_ENV = "FUSIONRAG_API_KEY"
@@ -25,6 +26,9 @@ class ServerConfig:
         max_body_bytes: largest request body; larger ones are answered 413.
         max_prompt_tokens: longest prompt; None: the model's context window (less the answer's budget).
         default_max_tokens: answer budget when a request sets none.
+        selector: which chunk tokens every request recomputes (`query.select.SELECTORS`); None:
+            the engine's configured default.
+        ratio: fraction of reused chunk tokens every request recomputes; None: the engine's default.
 
     Raises:
         InvalidRequestError: a limit below 1.
@@ -38,6 +42,8 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_prompt_tokens: int | None = None
     default_max_tokens: int = 256
+    selector: str | None = None
+    ratio: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_body_bytes", "default_max_tokens"):
@@ -47,6 +53,7 @@ class ServerConfig:
             raise InvalidRequestError(f"max_waiting must be at least 0, got {self.max_waiting}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise InvalidRequestError(f"max_prompt_tokens must be at least 1, got {self.max_prompt_tokens}")
+        RequestOptions(selector=self.selector, ratio=self.ratio)  # NOTE: the core's checks, at construction
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"port must be in 0..65535, got {self.port}")
 
