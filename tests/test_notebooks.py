@@ -74,3 +74,23 @@ def test_agentic_cookbook_runs_and_reuses_caches(tmp_path: Path) -> None:
     assert summary["final_cache_misses"] == 0 and summary["final_chunks_found"] == summary["retrieved_documents"] > 0
     assert summary["final_chunk_tokens"] > 0
     assert summary["final_reused_tokens"] >= 0.7 * summary["final_chunk_tokens"]
+
+
+@pytest.mark.slow
+def test_openai_server_cookbook_runs_and_reuses_caches(tmp_path: Path) -> None:
+    summary = run_notebook("openai_server.ipynb", tmp_path, ttft_rows=False)
+    # ChatOpenAI got a clean answer from the server, the same one twice (greedy) and when streamed
+    answer = summary["answer"]
+    assert answer.strip() and not any(m in answer for m in MARK_CHARS)
+    assert summary["second_answer"] == answer and summary["streamed_equals_answer"] is True
+    # the retrieved chunks were found by content in the prompt and served from their stored caches
+    assert summary["first_cached_tokens"] > 0 and summary["second_cached_tokens"] > 0
+    assert summary["second_cached_tokens"] < summary["prompt_tokens"] and summary["streamed_cached_tokens"] > 0
+    stats = summary["stats"]
+    assert stats["cache_misses"] == 0 and len(stats["chunk_found_by"]) == summary["retrieved_chunks"] == 2
+    assert set(stats["chunk_found_by"].values()) == {"content"} and stats["reused_tokens"] > 0
+    # usage counts the reused chunk tokens and the prefix cache, nothing else
+    assert summary["streamed_cached_tokens"] == stats["reused_tokens"] + stats["prefix_cached_tokens"]
+    # /metrics counted the four calls of the same prompt
+    assert summary["metrics_reused_tokens"] == 4 * stats["reused_tokens"]
+    assert summary["server_stopped"] is True

@@ -398,3 +398,9 @@ def test_the_servers_selection_settings_reach_every_request(serve: Serve) -> Non
     assert (stats["selector"], stats["ratio"]) == ("query_guided", 0.3)
     with pytest.raises(InvalidRequestError, match="ratio"):
         ServerConfig(ratio=1.5)
+
+
+def test_the_cli_selection_options_reach_the_server_config() -> None:
+    parser = build_parser(plugins=[serve_command.COMMAND])
+    config = serve_command.server_config(parser.parse_args(["--selector", "query_guided", "--ratio", "0.3", "serve"]))
+    assert (config.selector, config.ratio) == ("query_guided", 0.3)

@@ -6,12 +6,18 @@ import argparse
 import logging
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fusionrag_core.cli import Command, open_index, positive_int
 from fusionrag_core.engine import FusionEngine
+from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.paths import chroma_dir
 from fusionrag_integrations.server.config import API_KEY_ENV, LOOPBACK, ServerConfig
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
+
+if TYPE_CHECKING:
+    from fusionrag_integrations.server.ray_serve import RayServeOptions, ReplicaSpec
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +37,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"largest request body (default: {defaults.max_body_bytes})")
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                         help="longest prompt (default: the model's context window)")
+    ray = parser.add_argument_group("scale-out on Ray Serve")
+    ray.add_argument("--ray", metavar="local|ADDRESS",
+                     help="serve --replicas replicas behind one route on Ray Serve: 'local' starts a one-machine "
+                          "cluster, else a cluster address (auto, HOST:PORT, ray://HOST:10001); the replicas share "
+                          "the corpus through --chroma-url and a KV store every node reaches (--redis-url); needs "
+                          "pip install 'fusionrag[serve-ray]'")
+    ray.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                     help="with --ray: replicas, one model each (default: 2)")
+    ray.add_argument("--threads-per-replica", type=positive_int, default=None, metavar="N",
+                     help="with --ray: CPUs (torch threads) per replica (default: 1)")
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    """The command line as a ServerConfig; the API key from --api-key, else the environment."""
+    """The command line as a ServerConfig; the API key from --api-key, else the environment; the
+    global --selector and --ratio as every request's selection."""
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         max_running=args.max_running, max_waiting=args.max_waiting,
-                        max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens)
+                        max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                        selector=getattr(args, "selector", None), ratio=getattr(args, "ratio", None))
 
 
 def session_for(args: argparse.Namespace, engine: FusionEngine) -> ReuseSession:
@@ -52,13 +70,60 @@ def session_for(args: argparse.Namespace, engine: FusionEngine) -> ReuseSession:
     return ReuseSession(engine, store, ReuseConfig(data_dir=args.db))
 
 
+def replica_spec(args: argparse.Namespace, engine: Callable[[], FusionEngine], config: ServerConfig) -> ReplicaSpec:
+    """What each `--ray` replica builds: the --model engine (through `engine`, pickled to every
+    replica) and the corpus the global options name.
+
+    Raises:
+        InvalidRequestError: the corpus is an embedded Chroma database (one process serves it).
+    """
+    if args.chroma_url is None and chroma_dir(args.db).is_dir():
+        raise InvalidRequestError(
+            f"--ray replicas share the corpus through a Chroma server, but {args.db} holds an embedded one: start "
+            f"`chroma run --path {chroma_dir(args.db)} --host 127.0.0.1 --port 8001` and pass "
+            "--chroma-url http://127.0.0.1:8001 (and --redis-url for caches every node reaches)"
+        )
+    if args.chroma_url is None:
+        logger.warning("no --chroma-url: the replicas serve without ingested caches (learned caches only)")
+    from fusionrag_integrations.server.ray_serve import ReplicaSpec
+
+    # NOTE: absolute: replicas run in other working directories (and on other machines).
+    return ReplicaSpec(engine_factory=engine, data_dir=str(Path(args.db).expanduser().resolve()),
+                       chroma_url=args.chroma_url, redis_url=args.redis_url, collection=args.collection,
+                       server=config)
+
+
+def ray_options(args: argparse.Namespace) -> RayServeOptions | None:
+    """The --ray options (None without --ray).
+
+    Raises:
+        InvalidRequestError: --replicas or --threads-per-replica without --ray.
+    """
+    if args.ray is None:
+        for flag, value in (("--replicas", args.replicas), ("--threads-per-replica", args.threads_per_replica)):
+            if value is not None:
+                raise InvalidRequestError(f"{flag} needs --ray local|ADDRESS (one server otherwise)")
+        return None
+    from fusionrag_integrations.server.ray_serve import RayServeOptions
+
+    return RayServeOptions(address=args.ray, replicas=args.replicas or 2,
+                           threads_per_replica=args.threads_per_replica or 1)
+
+
 def run(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
-    """`fusionrag serve`: build the app and run it under uvicorn until interrupted."""
+    """`fusionrag serve`: build the app and run it under uvicorn until interrupted, or, with --ray,
+    its replicas on Ray Serve."""
     import uvicorn
 
     from fusionrag_integrations.server.app import create_app
 
     config = server_config(args)  # NOTE: checked before the model loads
+    scale_out = ray_options(args)
+    if scale_out is not None:
+        from fusionrag_integrations.server import ray_serve
+
+        ray_serve.serve_until_interrupted(replica_spec(args, engine, config), scale_out)
+        return 0
     if config.host != LOOPBACK:
         logger.warning("binding %s: the server is reachable from other machines%s", config.host,
                        "" if config.api_key else " without an API key")
@@ -71,10 +136,13 @@ COMMAND = Command(
     name="serve",
     help="serve the model over an OpenAI-compatible HTTP API, with FusionRAG's cache reuse",
     description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. Every prompt "
-                "reuses the caches of the --db corpus's chunks it holds and learns the rest.",
-    epilog="examples:\n  fusionrag serve\n  fusionrag --db ./data serve --port 8080 --api-key $KEY",
+                "reuses the caches of the --db corpus's chunks it holds and learns the rest. With --ray, --replicas "
+                "copies run on Ray Serve behind one route, sharing a Chroma server and a KV store.",
+    epilog="examples:\n  fusionrag serve\n  fusionrag --db ./data serve --port 8080 --api-key $KEY\n"
+           "  fusionrag --chroma-url http://127.0.0.1:8001 --redis-url redis://127.0.0.1:6379/0 serve --ray local "
+           "--replicas 2",
     add_arguments=add_arguments,
     run=run,
 )
 
-__all__ = ["COMMAND", "add_arguments", "run", "server_config", "session_for"]
+__all__ = ["COMMAND", "add_arguments", "ray_options", "replica_spec", "run", "server_config", "session_for"]
