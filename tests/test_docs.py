@@ -176,6 +176,7 @@ def _real_settings() -> dict[str, dict[str, Any]]:
     from fusionrag_core.query.sampling import SamplingConfig
     from fusionrag_core.query.select import SelectConfig
     from fusionrag_core.store.tiered import TierConfig
+    from fusionrag_integrations.server.config import ServerConfig
 
     def defaults(cls: type) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -189,7 +190,7 @@ def _real_settings() -> dict[str, dict[str, Any]]:
         return out
 
     real = {cls.__name__: defaults(cls)
-            for cls in (EngineConfig, SelectConfig, SamplingConfig, IngestConfig, TierConfig, RayConfig)}
+            for cls in (EngineConfig, SelectConfig, SamplingConfig, IngestConfig, TierConfig, RayConfig, ServerConfig)}
     real["FusionIndex.open"] = {name: p.default for name, p in inspect.signature(FusionIndex.open).parameters.items()
                                 if name not in ("cls", "engine")}
     return real
