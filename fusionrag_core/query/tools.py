@@ -93,6 +93,11 @@ class ToolCall:
     text: str
     """The call as the model wrote it."""
 
+    def openai(self) -> dict[str, Any]:
+        """This call in OpenAI's shape: `{"id", "type": "function", "function": {"name", "arguments": <JSON>}}`."""
+        arguments = json.dumps(self.arguments, ensure_ascii=False)
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}
+
 
 @dataclass(frozen=True)
 class InvalidToolCall:

@@ -174,7 +174,7 @@ class Reply:
                    for c in self.calls]
         extra: dict[str, Any] = {}
         if self.calls:
-            extra[TOOL_CALLS] = [_openai_call(c.id, c.name, c.arguments) for c in self.calls]
+            extra[TOOL_CALLS] = [c.openai() for c in self.calls]
         if self.invalid:
             extra[INVALID_TOOL_CALLS] = [{"id": c.id, "name": c.name, "text": c.text, "error": c.error}
                                          for c in self.invalid]

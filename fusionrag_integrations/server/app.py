@@ -33,8 +33,9 @@ from starlette.types import Receive, Scope, Send
 from fusionrag_core.engine import Generation
 from fusionrag_core.errors import ContextLengthError, InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
-from fusionrag_core.query.tools import InvalidToolCall, ToolCall, split_calls, tool_request
+from fusionrag_core.query.tools import InvalidToolCall, ToolCall, split_calls
 from fusionrag_core.reuse.sources import ReuseSources
+from fusionrag_integrations.fields import bound_tools
 from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.server.admission import Admission, QueueFullError
 from fusionrag_integrations.server.config import ServerConfig
@@ -123,9 +124,8 @@ class _Server:
     # ---- generation routes ----------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check(body)
-        tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls) if body.tools else None
-        if tools is None and (body.tool_choice not in (None, "none", "auto") or body.parallel_tool_calls is not None):
-            raise InvalidRequestError("tool_choice / parallel_tool_calls were given without tools")
+        tools = bound_tools({"tools": body.tools, "tool_choice": body.tool_choice,
+                             "parallel_tool_calls": body.parallel_tool_calls})
         options = RequestOptions.from_values(self._values(body), response_format=body.response_format_value(),
                                              tools=tools)
         messages = body.chat_messages()

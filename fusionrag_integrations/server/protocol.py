@@ -184,9 +184,7 @@ def fusionrag_stats(generation: Generation, invalid: list[InvalidToolCall]) -> d
 
 def tool_call_dict(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     """A call in OpenAI's shape (arguments as a JSON string); with `index` for a stream's delta."""
-    out: dict[str, Any] = {"id": call.id, "type": "function",
-                           "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
-    return out if index is None else {"index": index, **out}
+    return call.openai() if index is None else {"index": index, **call.openai()}
 
 
 def finish_reason(generation: Generation, calls: list[ToolCall]) -> Literal["stop", "length", "tool_calls"]:
