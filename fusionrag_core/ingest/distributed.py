@@ -32,6 +32,7 @@ from types import TracebackType
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 from chromadb.api.models.Collection import Collection
 from tqdm.auto import tqdm
@@ -45,6 +46,10 @@ from fusionrag_core.ingest.ingestor import Ingestor, IngestReport, PendingChunk,
 from fusionrag_core.store import DiskKVStore, KVStore, StorageDType, open_store
 
 log = logging.getLogger(__name__)
+
+# NOTE: how long `WorkerPool.close` waits for killed actors' tasks to settle (a process exit is
+# quick; a node that stopped answering is not waited for longer).
+_KILL_WAIT_S = 60.0
 
 EngineFactory = Callable[[], FusionEngine]
 EmbeddingFactory = Callable[[], chroma.EmbeddingFn]
@@ -141,6 +146,12 @@ class IngestWorker:
     def fingerprint(self) -> str:
         return self.engine.fingerprint
 
+    def process(self) -> tuple[str, int]:
+        """(Ray node id, pid) of this actor's process: the driver waits for it to exit on a kill."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
     def torch_threads(self) -> int:
         """The actor's torch threads (`threads_per_worker`: workers must not oversubscribe a node's CPUs)."""
         return torch.get_num_threads()
@@ -220,6 +231,8 @@ class WorkerPool:
         self.ray = ray = _import_ray(local_only=config.address == "local")
         self.config = config
         self._started = False
+        self._in_flight: set[Any] = set()  # ObjectRefs of tasks submitted and not yet collected
+        self._local_pids: list[int] = []  # the processes of actors on this node
         if not ray.is_initialized():
             if config.address == "local":
                 # NOTE: a new cluster (address="local" never joins another one on this machine); its
@@ -237,6 +250,8 @@ class WorkerPool:
                                     config.embedding_factory) for _ in range(config.workers)]
         try:
             fingerprints = ray.get([a.fingerprint.remote() for a in self.actors])
+            here = ray.get_runtime_context().get_node_id()
+            self._local_pids = [pid for node, pid in ray.get([a.process.remote() for a in self.actors]) if node == here]
         except Exception:
             self.close()
             raise
@@ -263,12 +278,14 @@ class WorkerPool:
                 job = pending.popleft()
                 ref = getattr(self.actors[actor], method).remote(*jobs[job])
                 running[ref] = (job, actor)
+                self._in_flight.add(ref)
                 load[actor] += 1
 
         submit()
         while running:
             done, _ = self.ray.wait(list(running), num_returns=1)
             job, actor = running.pop(done[0])
+            self._in_flight.discard(done[0])
             load[actor] -= 1
             result = self.ray.get(done[0])
             submit()
@@ -278,11 +295,45 @@ class WorkerPool:
         return self.ray.put(value)
 
     def close(self) -> None:
+        """Kill the actors and return once none of them can still write to the store.
+
+        NOTE: `ray.kill` only asks for the kill, and the tasks of a killed actor fail as soon as the
+        cluster marks it dead, which can be before its process has exited. An ingest interrupted
+        mid-way (Ctrl-C, an error) must not go on storing blobs after it returned: the tasks in
+        flight are awaited, then the processes of this node's actors (other nodes' are gone once
+        their tasks settle, as far as Ray tells).
+        """
         for a in self.actors if hasattr(self, "actors") else ():
             self.ray.kill(a)
+        if self._in_flight:
+            refs = list(self._in_flight)
+            _, stuck = self.ray.wait(refs, num_returns=len(refs), timeout=_KILL_WAIT_S)
+            if stuck:
+                log.warning("Ray ingest: %d task(s) still unsettled %ss after their actors were killed",
+                            len(stuck), _KILL_WAIT_S)
+            self._in_flight.clear()
+        _wait_for_exit(self._local_pids, _KILL_WAIT_S)
+        self._local_pids = []
         if self._started:
             self.ray.shutdown()
             self._started = False
+
+
+def _wait_for_exit(pids: Sequence[int], timeout_s: float) -> None:
+    """Wait until none of `pids` is a live process (a zombie cannot write), warning past `timeout_s`."""
+    live = [psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)]
+    _, alive = psutil.wait_procs(live, timeout=timeout_s) if live else ([], [])
+    alive = [p for p in alive if _running(p)]
+    if alive:
+        log.warning("Ray ingest: worker process(es) %s still running %ss after their actors were killed",
+                    [p.pid for p in alive], timeout_s)
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 class RayIngestor(Ingestor):
