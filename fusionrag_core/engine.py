@@ -8,6 +8,7 @@ A query, top to bottom:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import psutil
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -30,6 +32,7 @@ from fusionrag_core.errors import (
 from fusionrag_core.query import audit as audit_lib
 from fusionrag_core.query.audit import Auditor, AuditResult
 from fusionrag_core.query.bad_blobs import BadBlobs
+from fusionrag_core.query.decoding import Decoding
 from fusionrag_core.query.prefill import prefill_chunk, prefill_chunks, prefill_prefix
 from fusionrag_core.query.prompt import DEFAULT_INSTRUCTION, FusionPrompt, PromptLayout
 from fusionrag_core.query.recompute import recompute
@@ -42,11 +45,16 @@ from fusionrag_core.recognise.content_index import Match
 from fusionrag_core.runtime import loading
 from fusionrag_core.runtime.decoder import Decoder
 from fusionrag_core.runtime.kv import ChunkKV, Variant
+from fusionrag_core.serve.continuation import head_cache, kept_from, reopen, rest_of, verified_head
+from fusionrag_core.serve.prefix_cache import KeptPrefix, PrefixCache, PrefixCacheConfig, ReusedRun
+from fusionrag_core.serve.scheduler import Scheduler, SchedulerConfig
 from fusionrag_core.store.codec import is_storable_chunk_id
 from fusionrag_core.store.tiered import TieredKVStore, TierStats
 
 if TYPE_CHECKING:
     from fusionrag_core.store.base import KVStore
+
+log = logging.getLogger(__name__)
 
 ChunkInput = str | tuple[str | None, str]
 # Called once a request's prompt is computed: keeps the K/V of chunks that had no cache (see learn.py).
@@ -82,6 +90,14 @@ class EngineConfig:
             overhead, as gpt-fast does. Off by default: on CPU a step is bound by reading the
             weights and K/V, and compiling does not pay. The first step of each engine pays the
             compilation.
+        scheduler: how requests from several threads share the model (`fusionrag_core.serve.scheduler`):
+            one loop prepares arriving requests between decode steps and decodes every running
+            request in one batched step. None: each request runs its own passes on its caller's
+            thread (requests on several threads then contend for the cores).
+        prefix_cache: keep every finished request's K/V (prompt and answer) so that a later prompt
+            starting with the same tokens (the next turn of a conversation, an agent's next call)
+            continues from it (`fusionrag_core.serve.prefix_cache`); its reused chunk tokens stay
+            open to the new question's recompute. None: only the system prefix is memoised.
         packed_linears: on CPU, run the decoder's fp32 projections of multi-token passes (probe,
             recompute, prefills) through oneDNN with weights packed once
             (`fusionrag_core.runtime.linear`), faster than torch's `F.linear` (MKL) on such
@@ -99,6 +115,8 @@ class EngineConfig:
     audit_rate: float = 0.0
     compile_decode: bool = False
     packed_linears: bool = True
+    scheduler: SchedulerConfig | None = field(default_factory=SchedulerConfig)
+    prefix_cache: PrefixCacheConfig | None = field(default_factory=PrefixCacheConfig)
 
     def __post_init__(self) -> None:
         if self.load_workers < 1:
@@ -123,8 +141,10 @@ class Generation:
         recomputed_tokens: reused-chunk tokens the selector chose to compute again.
         prefilled_tokens: every other prompt token computed afresh: context with no usable cache
             (unrecognised text included), the question, and the prefix when it was not memoised.
-        prefix_cached_tokens: prefix tokens whose K/V came from the engine's in-memory prefix cache
-            (the prefix was computed by an earlier request).
+        prefix_cached_tokens: prompt tokens whose K/V came from the engine's memory as an earlier
+            request computed them: a memoised system prefix, or the head of a kept request
+            (`EngineConfig.prefix_cache`; its reused chunk tokens never recomputed count as
+            reused or recomputed instead).
         context_tokens: tokens between prefix and question (chunks and the text around them).
         first_token_logits: `[V]` fp32 logits of the first generated position.
         cache_misses: chunk id -> why its cache was not used (it was prefilled instead).
@@ -227,11 +247,18 @@ class GenerationStream:
         self.result: Generation | None = None
 
     def __iter__(self) -> Iterator[str]:
-        for piece in self._pieces:
-            if isinstance(piece, Generation):
-                self.result = piece
-            elif piece:
-                yield piece
+        try:
+            for piece in self._pieces:
+                if isinstance(piece, Generation):
+                    self.result = piece
+                elif piece:
+                    yield piece
+        finally:
+            # NOTE: a reader that stops early (break, close) ends the request now, not when the
+            # stream object is collected: the scheduler frees its slot at the next step
+            close = getattr(self._pieces, "close", None)
+            if close is not None:
+                close()
 
     def collect(self) -> Generation:
         for _ in self:
@@ -254,6 +281,11 @@ class Prepared:
             when not memoised, context without a usable cache).
         prefix_cached_tokens: prefix tokens served from the in-memory prefix cache.
         selector / ratio: as the Generation reports them.
+        selected: `[K]` the slots the selector chose.
+        stitched_prompt: the prompt as stitched (its head a kept prefix, when one was continued).
+        kept_runs: the chunk runs of the kept prefix it continued (carried into what it keeps).
+        continued: the kept prefix it continued whole (what it keeps supersedes it).
+        exact_base: leading slots exact before its passes ran (see `continuation.kept_from`).
     """
 
     prompt: FusionPrompt
@@ -264,6 +296,11 @@ class Prepared:
     selector: str
     ratio: float | None
     prefix_cached_tokens: int = 0
+    selected: torch.Tensor | None = None
+    stitched_prompt: FusionPrompt | None = None
+    kept_runs: tuple[ReusedRun, ...] = ()
+    continued: KeptPrefix | None = None
+    exact_base: int = 0
 
 
 class FusionEngine:
@@ -282,15 +319,22 @@ class FusionEngine:
         *,
         name: str | None = None,
         config: EngineConfig | None = None,
+        decoder: Decoder | None = None,
     ) -> None:
+        """Args:
+            model, tokenizer: a Llama-family transformers model and its tokenizer.
+            name: how results name the model (default: its `_name_or_path`).
+            config: query defaults, scheduler and prefix cache.
+            decoder: another engine's `Decoder` of the same model to share (`with_config`).
+        """
         # NOTE: no KV store here: the store travels with each request (`stream(store=...)`), so a
         # shared engine holds no per-request state.
         self.model = model
         self.tokenizer = tokenizer
         self.name = name or str(getattr(model.config, "_name_or_path", type(model).__name__))
         self.config = config or EngineConfig()
-        self.decoder = Decoder(model, compile_decode=self.config.compile_decode,
-                               packed_linears=self.config.packed_linears)
+        self.decoder = decoder or Decoder(model, compile_decode=self.config.compile_decode,
+                                          packed_linears=self.config.packed_linears)
         self.layout = PromptLayout(tokenizer)
         self.fingerprint = loading.fingerprint(model)
         self.context_window = loading.context_window(model)
@@ -303,6 +347,10 @@ class FusionEngine:
         # starts with it has an exact independent cache for its first chunk.
         self._canonical_prefix = self.layout.prefix_ids(self.config.instruction)
         self.eos_ids = self._eos_ids()
+        self.kept_prefixes = (PrefixCache(self.config.prefix_cache, self.fingerprint)
+                             if self.config.prefix_cache is not None else None)
+        self.scheduler = (Scheduler(self.decoder, self.config.scheduler, self._kv_budget(self.config.scheduler))
+                          if self.config.scheduler is not None else None)
 
     @classmethod
     def from_pretrained(
@@ -325,9 +373,38 @@ class FusionEngine:
         hf_model, tokenizer, source = loading.load(model, device=device, dtype=dtype)
         return cls(hf_model, tokenizer, name=source.name, config=config)
 
+    def with_config(self, config: EngineConfig) -> FusionEngine:
+        """An engine on the same model with another configuration: the weights (and, when the decoder
+        settings agree, their packed copy) are shared; the scheduler, prefix caches and audit are its own.
+
+        E.g. `engine.with_config(dataclasses.replace(engine.config, prefix_cache=None))` for a tool that
+        compares methods on identical prompts.
+        """
+        settings = (config.compile_decode, config.packed_linears)
+        same = settings == (self.config.compile_decode, self.config.packed_linears)
+        return FusionEngine(self.model, self.tokenizer, name=self.name, config=config,
+                            decoder=self.decoder if same else None)
+
     @property
     def device(self) -> torch.device:
         return self.decoder.device
+
+    def _kv_budget(self, config: SchedulerConfig) -> int:
+        """The running requests' KV byte budget: configured, else half the device memory free now."""
+        if config.kv_budget_bytes is not None:
+            return config.kv_budget_bytes
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            free = psutil.virtual_memory().available
+        log.info("scheduler KV budget: %.1f GiB (half the %s memory free now; SchedulerConfig.kv_budget_bytes "
+                 "sets it)", free / 2 / 2**30, self.device.type)
+        return int(free // 2)
+
+    def kv_bytes(self, tokens: int) -> int:
+        """Bytes of a KV buffer holding `tokens` tokens (keys and values, every layer)."""
+        L, H, D = self.kv_shape
+        return 2 * L * H * D * tokens * self.decoder.dtype.itemsize
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -599,9 +676,22 @@ class FusionEngine:
     ) -> Iterator[str | Generation]:
         # NOTE: a generator, so nothing runs (and the TTFT clock does not start) until iterated.
         start = time.perf_counter()
-        prepared = self._prepare(prompt, sampling, name, select_fn, select_config, lookup,
-                                 use_prefix=use_prefix, in_memory=in_memory)
-        yield from self._decode(prepared, sampling, start, learn, audit, tiers, fallbacks or {})
+
+        def prepare() -> tuple[Prepared, Decoding, torch.Tensor]:
+            prepared = self._prepare(prompt, sampling, name, select_fn, select_config, lookup,
+                                     use_prefix=use_prefix, in_memory=in_memory)
+            return prepared, self._decoding(prepared, sampling), prepared.first_logits
+
+        if self.scheduler is None:
+            prepared, decoding, first_logits = prepare()
+            yield from self._decode_alone(decoding, first_logits)
+        else:
+            ticket = self.scheduler.submit(prepare, kv_bytes=self.kv_bytes(prompt.num_tokens + sampling.max_new_tokens),
+                                           prompt_tokens=prompt.num_tokens)
+            yield from ticket
+            assert ticket.value is not None and ticket.decoding is not None
+            prepared, decoding = ticket.value, ticket.decoding
+        yield self._finish(prepared, decoding, start, learn, audit, tiers, fallbacks or {})
 
     def _prepare(
         self,
@@ -615,23 +705,39 @@ class FusionEngine:
         use_prefix: bool,
         in_memory: Container[str],
     ) -> Prepared:
-        """Request preparation: stitch (caches re-rotated into one buffer) -> select -> recompute,
-        up to the first generated position's logits."""
-        prefilled, prefix_cached = int(prompt.question.shape[0]), 0
+        """Request preparation: stitch (a kept prefix, caches re-rotated into one buffer) -> select ->
+        recompute, up to the first generated position's logits."""
         if use_prefix:
             lookup = prefetch(prompt, lookup, self._loader, inline=in_memory)
+        kept, n = self._kept_head(prompt, lookup, exact_only=not use_prefix)
+        if kept is not None:
+            stitched_prompt = rest_of(prompt, n) if use_prefix else FusionPrompt(prompt.token_ids()[:n], (),
+                                                                                   prompt.token_ids()[n:])
+            st = stitch(self.decoder, stitched_prompt, head_cache(kept, n), lookup,
+                        extra_capacity=sampling.max_new_tokens)
+            reopened = reopen(st, kept, n)
+            prefilled, prefix_cached = int(stitched_prompt.question.shape[0]), n - reopened
+            exact_base = min(n, kept.exact_tokens)
+            # NOTE: the new question gets the recompute budget a fresh request would: a share of every
+            # reused chunk token, those an earlier turn recomputed included (they are no candidates)
+            chunk_tokens = sum(min(r.end, n) - r.start for r in kept.runs if r.start < n)
+            budget_base = st.num_reused_tokens + max(0, chunk_tokens - reopened)
+        elif use_prefix:
+            stitched_prompt = prompt
             prefix, memoised = self._prefix_cache(prompt.prefix)
             # NOTE: the prefix is either served from memory or computed now: in one count, never both
-            if memoised:
-                prefix_cached = int(prompt.prefix.shape[0])
-            else:
-                prefilled += int(prompt.prefix.shape[0])
+            prefix_cached = int(prompt.prefix.shape[0]) if memoised else 0
+            prefilled = int(prompt.question.shape[0]) + int(prompt.prefix.shape[0]) - prefix_cached
             st = stitch(self.decoder, prompt, prefix, lookup, extra_capacity=sampling.max_new_tokens,
                         exact_prefix=torch.equal(prompt.prefix.cpu(), self._canonical_prefix))
+            exact_base, budget_base = int(prompt.prefix.shape[0]), st.num_reused_tokens
+            if st.exact_slots.numel() and int(st.exact_slots[0]) == exact_base:
+                exact_base += int(st.exact_slots.shape[0])
         else:  # full attention: everything, prefix included, is computed in one causal pass
-            flat = FusionPrompt(prompt.prefix[:0], (), prompt.token_ids())
-            st = stitch(self.decoder, flat, None, lookup, extra_capacity=sampling.max_new_tokens)
-        budget = select_config.budget(st.num_reused_tokens)
+            stitched_prompt = FusionPrompt(prompt.prefix[:0], (), prompt.token_ids())
+            st = stitch(self.decoder, stitched_prompt, None, lookup, extra_capacity=sampling.max_new_tokens)
+            prefilled, prefix_cached, exact_base, budget_base = prompt.num_tokens, 0, 0, 0
+        budget = min(select_config.budget(budget_base), st.num_reused_tokens)
         selected = select_fn(st, budget, select_config)
         first_logits, recomputed = recompute(st, selected)
         num_selected = int(selected.shape[0])
@@ -640,60 +746,79 @@ class FusionEngine:
             stitched=st,
             first_logits=first_logits,
             selected_tokens=num_selected,
-            prefilled_tokens=prefilled + recomputed - num_selected if use_prefix else prompt.num_tokens,
+            prefilled_tokens=prefilled + recomputed - num_selected if use_prefix or kept is not None else prefilled,
             selector=name,
             ratio=select_config.ratio if name not in ("none", "all", "full_attention") else None,
             prefix_cached_tokens=prefix_cached,
+            selected=selected,
+            stitched_prompt=stitched_prompt,
+            kept_runs=tuple(dataclasses.replace(r, end=min(r.end, n)) for r in kept.runs if r.start < n)
+            if kept is not None else (),
+            continued=kept if kept is not None and n == kept.num_tokens else None,
+            exact_base=exact_base,
         )
 
-    def _decode(
+    def _kept_head(self, prompt: FusionPrompt, lookup: CacheLookup, *,
+                   exact_only: bool) -> tuple[KeptPrefix | None, int]:
+        """The kept prefix this prompt continues and how many of its tokens (all but the last at most;
+        `exact_only`: up to the entry's first inexact token), or (None, 0)."""
+        if self.kept_prefixes is None:
+            return None, 0
+        ids = prompt.token_ids()
+        found = self.kept_prefixes.match(ids, prompt.num_tokens - 1)
+        if found is None:
+            return None, 0
+        kept, n = found
+        n = min(n, kept.exact_tokens) if exact_only else verified_head(prompt, kept, n, lookup)
+        return (kept, n) if n >= self.kept_prefixes.config.min_tokens else (None, 0)
+
+    def _decoding(self, prepared: Prepared, sampling: SamplingConfig) -> Decoding:
+        """The request's decoding, continuing its prepared buffer."""
+        prompt = prepared.prompt
+        sampler = Sampler(sampling, prompt.token_ids(), tokenizer=self.tokenizer, eos_ids=self.eos_ids)
+        return Decoding(prepared.stitched.buf, prompt.num_tokens, sampler, TextAssembler(self.tokenizer, sampling.stop),
+                        sampling.max_new_tokens, self.eos_ids)
+
+    def _decode_alone(self, decoding: Decoding, first_logits: torch.Tensor) -> Iterator[str]:
+        """Decoding without the scheduler: one cached step per token on the caller's thread."""
+        piece = decoding.start(first_logits)
+        while True:
+            if piece:
+                yield piece
+            if decoding.finished:
+                break
+            token, slot = decoding.next_input()
+            piece = decoding.advance(self.decoder.decode_step(decoding.buf, token, slot))
+        tail = decoding.flush()
+        if tail:
+            yield tail
+
+    def _finish(
         self,
         prepared: Prepared,
-        sampling: SamplingConfig,
+        decoding: Decoding,
         start: float,
         learn: LearnFn | None,
         audit: bool,
         tiers: TierStats | None,
         fallbacks: Mapping[str, str],
-    ) -> Iterator[str | Generation]:
-        """Decoding: sample from the prepared logits, one cached step per token, stream text pieces,
-        then the finished Generation."""
+    ) -> Generation:
+        """The finished request's Generation; its chunks learned and its audit run first, when asked."""
         prompt, st = prepared.prompt, prepared.stitched
-        sampler = Sampler(sampling, prompt.token_ids(), tokenizer=self.tokenizer, eos_ids=self.eos_ids)
-        token = sampler(prepared.first_logits)
-        ttft = time.perf_counter() - start
-
-        assembler = TextAssembler(self.tokenizer, sampling.stop)
-        ids: list[int] = []
-        finish: Literal["stop", "length"] = "length"
-        position = prompt.num_tokens
-        while True:
-            if token in self.eos_ids:
-                finish = "stop"
-                break
-            ids.append(token)
-            piece = assembler.add(token)
-            if piece:
-                yield piece
-            if assembler.stopped:
-                finish = "stop"
-                break
-            if len(ids) >= sampling.max_new_tokens:
-                break
-            slot = st.buf.reserve(torch.tensor([position], device=self.device), valid=True)
-            token = sampler(self.decoder.decode_step(st.buf, token, slot))
-            position += 1
-        tail = assembler.flush()
-        if tail:
-            yield tail
+        assert decoding.finish_reason is not None and decoding.first_token_at is not None
         if learn is not None and st.missed:
-            learn(prompt, st)  # NOTE: after decoding: what it stores never delays the answer
+            # NOTE: after decoding: what it stores never delays the answer
+            learn(prepared.stitched_prompt or prompt, st)
+        if self.kept_prefixes is not None and prepared.selected is not None:
+            kept = kept_from(st, prepared.selected, decoding.ids, self.fingerprint, prepared.kept_runs,
+                             prepared.exact_base)
+            self.kept_prefixes.keep(kept, replaces=prepared.continued)
         context = prompt.num_tokens - int(prompt.prefix.shape[0]) - int(prompt.question.shape[0])
         generation = Generation(
-            text=assembler.text,
-            token_ids=ids,
-            finish_reason=finish,
-            ttft_s=ttft,
+            text=decoding.text,
+            token_ids=list(decoding.ids),
+            finish_reason=decoding.finish_reason,
+            ttft_s=decoding.first_token_at - start,
             total_s=time.perf_counter() - start,
             prompt_tokens=prompt.num_tokens,
             reused_tokens=st.num_reused_tokens - prepared.selected_tokens,
@@ -715,7 +840,7 @@ class FusionEngine:
         generation.token_partition()  # NOTE: the invariant every integration's statistics rely on
         if audit:  # NOTE: the answer has streamed; only the final statistics wait for the audit
             generation.audit = self._audit(prompt, generation)
-        yield generation
+        return generation
 
     def _audit(self, prompt: FusionPrompt, served: Generation) -> AuditResult:
         """Answer `prompt` with full attention (first token only) and compare it with `served`."""
@@ -725,6 +850,19 @@ class FusionEngine:
                                    ratio=served.ratio, seconds=time.perf_counter() - start)
         self.auditor.record(result)
         return result
+
+    def stats(self) -> dict[str, int]:
+        """Lifetime totals of the engine's shared state: the prefix cache's hits, misses, tokens
+        served, evictions, entries and bytes; the scheduler's decode steps and their rows, and the
+        requests running and waiting now."""
+        out: dict[str, int] = {}
+        if self.kept_prefixes is not None:
+            out.update(self.kept_prefixes.stats())
+        if self.scheduler is not None:
+            load = self.scheduler.load
+            out.update(decode_steps=self.scheduler.steps, decode_rows=self.scheduler.batched_rows,
+                       running=load["running"], waiting=load["waiting"], running_kv_bytes=load["kv_bytes"])
+        return out
 
     def audit_summary(self) -> dict[str, Any]:
         """Live audit totals over the engine's life (see `fusionrag_core.query.audit.Auditor.summary`)."""

@@ -54,3 +54,8 @@ class DatabaseInUseError(FusionRAGError):
 class ReadOnlyError(FusionRAGError):
     """A store or database directory this process cannot write (a read-only mount, missing
     permissions) was asked to change."""
+
+
+class OverloadedError(FusionRAGError):
+    """The engine's scheduler cannot take the request: its waiting queue is full, or the request's KV
+    alone exceeds the running requests' byte budget (the message names the limit to raise)."""

@@ -175,6 +175,8 @@ def _real_settings() -> dict[str, dict[str, Any]]:
     from fusionrag_core.ingest.distributed import RayConfig
     from fusionrag_core.query.sampling import SamplingConfig
     from fusionrag_core.query.select import SelectConfig
+    from fusionrag_core.serve.prefix_cache import PrefixCacheConfig
+    from fusionrag_core.serve.scheduler import SchedulerConfig
     from fusionrag_core.store.tiered import TierConfig
     from fusionrag_integrations.server.config import ServerConfig
 
@@ -190,7 +192,8 @@ def _real_settings() -> dict[str, dict[str, Any]]:
         return out
 
     real = {cls.__name__: defaults(cls)
-            for cls in (EngineConfig, SelectConfig, SamplingConfig, IngestConfig, TierConfig, RayConfig, ServerConfig)}
+            for cls in (EngineConfig, SelectConfig, SamplingConfig, IngestConfig, TierConfig, RayConfig, ServerConfig,
+                        SchedulerConfig, PrefixCacheConfig)}
     real["FusionIndex.open"] = {name: p.default for name, p in inspect.signature(FusionIndex.open).parameters.items()
                                 if name not in ("cls", "engine")}
     return real

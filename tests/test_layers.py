@@ -21,6 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("store",),
     ("recognise",),
     ("query",),
+    ("serve",),
     ("engine",),
     ("ingest",),
     ("reuse",),

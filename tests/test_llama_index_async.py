@@ -51,13 +51,14 @@ def slow_engine(smollm_tokenizer: PreTrainedTokenizerBase) -> Iterator[FusionEng
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
     engine = FusionEngine(LlamaForCausalLM(config).eval(), smollm_tokenizer, name="tiny-slow")
     engine.eos_ids = set()  # every call decodes its whole budget
-    step = engine.decoder.decode_step
+    batch = engine.decoder.decode_batch
 
-    def slow_step(*args: Any, **kwargs: Any) -> Any:
+    def slow_batch(*args: Any, **kwargs: Any) -> Any:
         time.sleep(STEP_S)  # blocks the calling thread, as a long kernel would
-        return step(*args, **kwargs)
+        return batch(*args, **kwargs)
 
-    engine.decoder.decode_step = slow_step  # type: ignore[method-assign]
+    # NOTE: the engine's scheduler runs every decode step as a batch (of one request, here)
+    engine.decoder.decode_batch = slow_batch  # type: ignore[method-assign]
     yield engine
 
 

@@ -33,6 +33,7 @@ hits all of them alike, after one untimed warm-up query.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -197,7 +198,8 @@ def run_benchmark(
     Args:
         config: what to run.
         engine: the model (any FusionEngine: the packaged default, another model, a test model);
-            each query passes its row's KV store, so the engine is left as it was.
+            each query passes its row's KV store, so the engine is left as it was; the methods run
+            on a copy without a prefix cache (`with_config`), so none continues another's K/V.
         embedding_function: for the Chroma collections (default: the offline MiniLM).
         progress: show a tqdm bar (one step per ingest and per query).
         command: the command line, recorded in the results.
@@ -218,6 +220,9 @@ def run_benchmark(
     ef = embedding_function if embedding_function is not None else chroma.default_embedding_function()
     sampling = SamplingConfig(max_new_tokens=config.max_new_tokens, stop=ANSWER_STOP)
     plan = config.plan()
+    if engine.kept_prefixes is not None:
+        # NOTE: every method answers the same prompt: a request must not continue another's K/V
+        engine = engine.with_config(dataclasses.replace(engine.config, prefix_cache=None))
     passages = [row_passages(row, engine, config.max_passage_tokens) for row in rows]
     if config.context == "gold":
         for i, (row, ps) in enumerate(zip(rows, passages, strict=True)):

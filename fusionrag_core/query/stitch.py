@@ -79,6 +79,8 @@ class Stitched:
             recomputing them changes nothing, so a selector can spend its budget elsewhere.
         chunk_drift: per reused chunk (aligned with `chunk_slots`), its cache's fusion drift `[T_c]`
             (`ChunkKV.drift`) or None when the cache carries none.
+        chunk_sources: per reused chunk (aligned with `chunk_slots`), `(chunk id, variant,
+            fused_after)` of the cache it came from; None for K/V continued from a kept prefix.
     """
 
     decoder: Decoder
@@ -93,6 +95,7 @@ class Stitched:
     missed: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     exact_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     chunk_drift: list[torch.Tensor | None] = field(default_factory=list)
+    chunk_sources: list[tuple[str, str, str] | None] = field(default_factory=list)
 
     @property
     def reusable_slots(self) -> torch.Tensor:
@@ -163,6 +166,7 @@ def stitch(
         buf.put(prefix, prefix.keys, 0)
     chunk_slots: list[torch.Tensor] = []
     drifts: list[torch.Tensor | None] = []
+    sources: list[tuple[str, str, str] | None] = []
     forced: list[torch.Tensor] = []
     loaded = 0
     misses: dict[str, str] = {}
@@ -187,6 +191,7 @@ def stitch(
         kv = kv.head(reused)
         chunk_slots.append(append_shifted(decoder, buf, kv))
         drifts.append(kv.drift)
+        sources.append((seg.chunk_id or "", kv.variant, kv.fused_after))
         if exact_prefix and i == 0 and kv.variant == "independent" and int(kv.positions[0]) == start:
             exact = chunk_slots[-1]
         if reused < seg.num_tokens:  # e.g. a separator the cache was computed without
@@ -197,7 +202,7 @@ def stitch(
     question_slots = buf.reserve(torch.arange(buf.length, buf.length + q_len, device=device), valid=False)
     forced_slots = torch.cat(forced) if forced else torch.empty(0, dtype=torch.int64, device=device)
     return Stitched(decoder, buf, slot_tokens, chunk_slots, forced_slots, question_slots, loaded, misses, variants,
-                    missed, exact, drifts)
+                    missed, exact, drifts, sources)
 
 
 def _shared_head(cached: torch.Tensor, prompt: torch.Tensor) -> int:

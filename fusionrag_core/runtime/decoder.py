@@ -6,6 +6,8 @@ say what a pass is for:
 * `fill`: write the tokens' K/V at every layer (chunk and prefix prefills; no logits);
 * `prefill`: `fill`, then the last token's logits (a plain prefill, the recompute pass);
 * `decode_step`: `prefill` of one generated token;
+* `decode_batch`: one generated token for each of several requests, each over its own buffer: the
+  projections and MLPs run as one product over the batch, attention per request;
 * `probe`: the attention mass the tokens give every slot at chosen layers (query-guided selectors);
 * `probe_keys`: the tokens' fresh keys at one layer (CacheBlend's deviation).
 
@@ -181,6 +183,48 @@ class Decoder:
         return self.prefill(buf, torch.tensor([token_id], device=self.device), slot)
 
     @torch.inference_mode()
+    def decode_batch(self, bufs: Sequence[KVBuffer], token_ids: torch.Tensor,
+                     slots: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One decode step for `B` requests: write each token's K/V at its slot in its own buffer and
+        return the `[B, V]` fp32 logits.
+
+        A step is mostly reading the weights, so the rows share one read of every projection and MLP
+        weight; attention runs per request over its own buffer, with the plan its decode step has
+        alone. Each row equals `decode_step` of that request up to float rounding (a product of B
+        rows is blocked differently from a product of one).
+
+        Args:
+            bufs: `B` request buffers (distinct).
+            token_ids: `[B]` int64, the token each request feeds.
+            slots: `B` tensors `[1]`, the slot each token takes in its buffer.
+        """
+        B = len(bufs)
+        if token_ids.shape != (B,) or len(slots) != B:
+            raise ValueError(f"decode_batch needs one token and one slot per buffer: {B} buffers, "
+                             f"token_ids {tuple(token_ids.shape)}, {len(slots)} slots")
+        passes = [self._pass(buf, slot, None) for buf, slot in zip(bufs, slots, strict=True)]
+        q_pos = torch.cat([p.spec.q_pos for p in passes])  # [B]
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        x = self._embed(token_ids)  # [1, B, C]: the batch is the token axis of one pass
+        for i in range(self.num_layers):
+            table = self.rope[i]
+            if id(table) not in tables:
+                tables[id(table)] = cos_sin(q_pos, table, self.dtype)  # [B, R]
+            q, k, v = self._qkv(i, x)
+            cos, sin = tables[id(table)]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [1, Hq, B, D], [1, H, B, D]
+            outs = []
+            for b, p in enumerate(passes):
+                p.buf.keys[i, :, p.slots] = k[0, :, b:b + 1]
+                p.buf.values[i, :, p.slots] = v[0, :, b:b + 1]
+                keys, values = p.buf.keys[i, :, :p.length], p.buf.values[i, :, :p.length]  # [H, S_b, D]
+                outs.append(attention.attend(q[0, :, b:b + 1], keys, values, p.plan(self.windows[i]),
+                                             scale=self.scaling))  # [Hq, 1, D]
+            x = self._feed_forward(i, x, torch.cat(outs, dim=1))
+        out = self.parts.lm_head(self.parts.final_norm(x))[0].float()  # [B, V]
+        return self._softcap(out)
+
+    @torch.inference_mode()
     def probe(self, buf: KVBuffer, token_ids: torch.Tensor, slots: torch.Tensor, *,
               layers: Sequence[int], weights: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
         """Attention mass every slot receives from `token_ids`' queries, at each of `layers`.
@@ -251,6 +295,12 @@ class Decoder:
 
     def _project(self, i: int, x: torch.Tensor, p: _Pass) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer `i`'s post-RoPE queries `[1, Hq, N, D]`, keys and values `[1, H, N, D]`."""
+        q, k, v = self._qkv(i, x)
+        cos, sin = p.rope(self.rope[i])
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _qkv(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer `i`'s queries `[1, Hq, N, D]`, keys and values `[1, H, N, D]` of `x` `[1, N, C]`, before RoPE."""
         layer, lin = self.parts.layers[i], self.linears[i]
         attn = layer.self_attn
         N = x.shape[1]
@@ -261,8 +311,7 @@ class Decoder:
         v = v.view(1, N, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [1, H, N, D]
         if self.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        cos, sin = p.rope(self.rope[i])
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return q, k, v
 
     def _store(self, i: int, k: torch.Tensor, v: torch.Tensor, p: _Pass) -> None:
         p.buf.keys[i, :, p.slots] = k[0]
@@ -276,11 +325,15 @@ class Decoder:
 
     def _mix(self, i: int, x: torch.Tensor, q: torch.Tensor, p: _Pass) -> torch.Tensor:
         """Layer `i`'s attention over the buffer (as planned for its window), output projection and MLP."""
-        layer, lin = self.parts.layers[i], self.linears[i]
-        N = x.shape[1]
         S = p.length
         keys, values = p.buf.keys[i, :, :S], p.buf.values[i, :, :S]  # [H, S, D]
         o = attention.attend(q[0], keys, values, p.plan(self.windows[i]), scale=self.scaling)  # [Hq, N, D]
+        return self._feed_forward(i, x, o)
+
+    def _feed_forward(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Layer `i` after attention: output projection of `o` `[Hq, N, D]`, residuals and MLP on `x` `[1, N, C]`."""
+        layer, lin = self.parts.layers[i], self.linears[i]
+        N = x.shape[1]
         o = lin.o(o.transpose(0, 1).reshape(1, N, self.num_heads * self.head_dim))[0]
         mlp = self.one_token_mlps[i] if self.one_token_mlps is not None and N == 1 else lin.mlp
         if self.sandwich_norms:
@@ -291,11 +344,11 @@ class Decoder:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """`[V]` fp32 logits of the last row of `x` `[1, N, C]`."""
-        out = self.parts.lm_head(self.parts.final_norm(x[:, -1:]))[0, 0].float()
-        if self.parts.final_logit_softcap is not None:
-            cap = self.parts.final_logit_softcap
-            out = torch.tanh(out / cap) * cap
-        return out
+        return self._softcap(self.parts.lm_head(self.parts.final_norm(x[:, -1:]))[0, 0].float())
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.parts.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def _compiled(module: torch.nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:

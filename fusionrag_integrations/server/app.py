@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from fusionrag_core.engine import Generation
-from fusionrag_core.errors import ContextLengthError, InvalidRequestError
+from fusionrag_core.errors import ContextLengthError, InvalidRequestError, OverloadedError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.tools import InvalidToolCall, ToolCall, split_calls
 from fusionrag_core.reuse.sources import ReuseSources
@@ -381,6 +381,11 @@ def _add_error_handlers(app: FastAPI, server: _Server) -> None:
         message = f"{exc} (max_new_tokens is the request's max_tokens)"
         return answer(request, HTTPError(400, message, code="context_length_exceeded"))
 
+    async def on_overloaded(request: Request, exc: Exception) -> JSONResponse:
+        # NOTE: the engine's scheduler refused it (its queue, or a K/V buffer over its budget): a
+        # server-side limit, retried later or lifted by the operator (the message names it)
+        return answer(request, HTTPError(503, str(exc), "server_error", "engine_overloaded", {"Retry-After": "1"}))
+
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         return answer(request, HTTPError(400, _validation_message(exc)))
@@ -394,6 +399,7 @@ def _add_error_handlers(app: FastAPI, server: _Server) -> None:
     app.add_exception_handler(InvalidRequestError, on_invalid)
     app.add_exception_handler(QueueFullError, on_full)
     app.add_exception_handler(ContextLengthError, on_too_long)
+    app.add_exception_handler(OverloadedError, on_overloaded)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(Exception, on_unexpected)
 

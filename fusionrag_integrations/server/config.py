@@ -21,7 +21,8 @@ class ServerConfig:
         host: address to bind; loopback unless told otherwise.
         port: TCP port.
         api_key: None: no authentication; else every /v1 request needs `Authorization: Bearer <key>`.
-        max_running: requests generating at once (they share the engine's cores).
+        max_running: requests generating at once (the engine's scheduler decodes them in one batched
+            step; `SchedulerConfig.max_running` caps the batch).
         max_waiting: requests queued behind them; one more is answered 429 with `Retry-After`.
         max_body_bytes: largest request body; larger ones are answered 413.
         max_prompt_tokens: longest prompt; None: the model's context window (less the answer's budget).
@@ -37,7 +38,7 @@ class ServerConfig:
     host: str = LOOPBACK
     port: int = 8000
     api_key: str | None = None
-    max_running: int = 1
+    max_running: int = 16
     max_waiting: int = 64
     max_body_bytes: int = 4 * 1024 * 1024
     max_prompt_tokens: int | None = None

@@ -1,0 +1,148 @@
+"""Continuing a prompt from a kept prefix (`prefix_cache`), and keeping a finished request's K/V.
+
+A request whose prompt starts with `n` kept tokens is stitched as the prompt `rest_of(prompt, n)`:
+those tokens are its prefix, their K/V copied from the kept entry at the positions they had, the
+rest laid out as usual (chunk caches re-rotated after them). The kept tokens that were reused from
+chunk caches and never recomputed become reusable slots again (`reopen`), so the new question's
+selection may recompute them, exactly as it would chunk tokens loaded from the store.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusionrag_core.query.prompt import FusionPrompt, Segment
+from fusionrag_core.query.stitch import CacheLookup, Stitched
+from fusionrag_core.runtime.kv import ChunkKV
+from fusionrag_core.serve.prefix_cache import KeptPrefix, ReusedRun
+
+
+def verified_head(prompt: FusionPrompt, kept: KeptPrefix, n: int, lookup: CacheLookup) -> int:
+    """How many of the `n` matched tokens may be continued: up to the first chunk the kept K/V reused
+    whose stored cache is not the one this prompt would reuse now (re-fused, deleted, or the chunk is
+    no longer found there), so a corpus update never serves a stale prefix."""
+    starts = _segment_starts(prompt)
+    for run in kept.runs:
+        if run.start >= n:
+            break
+        i = next((i for i, seg in enumerate(prompt.segments)
+                  if seg.chunk_id == run.chunk_id and starts[i] == run.start), None)
+        found = lookup(run.chunk_id, i == 0) if i is not None else None
+        if not (isinstance(found, ChunkKV) and found.variant == run.variant and found.fused_after == run.fused_after):
+            return run.start
+    return n
+
+
+def rest_of(prompt: FusionPrompt, n: int) -> FusionPrompt:
+    """`prompt` with its first `n` tokens (fewer than all) as the prefix: the segments after them, the
+    one they cut kept as plain text from the cut on, and the question's tokens after them.
+
+    NOTE: a conversation's layout puts every turn after the last chunk in the question; a kept
+    prefix covers the earlier turns, and the question left is the new turn: what the query-guided
+    selection should read.
+    """
+    ids = prompt.token_ids()
+    if not 0 <= n < prompt.num_tokens:
+        raise ValueError(f"a kept head of {n} tokens must leave some of the {prompt.num_tokens} prompt tokens")
+    starts = _segment_starts(prompt)
+    segments: list[Segment] = []
+    for seg, start in zip(prompt.segments, starts, strict=True):
+        end = start + seg.num_tokens
+        if end <= n:
+            continue
+        if start >= n:
+            segments.append(seg)
+        else:  # NOTE: the chunk's head is kept; its tail is computed like any text
+            segments.append(Segment("text", seg.token_ids[n - start:]))
+    P = int(prompt.prefix.shape[0])
+    if n < P:  # NOTE: an earlier, shorter conversation ends inside this prompt's system prefix
+        segments.insert(0, Segment("text", prompt.prefix[n:]))
+    q_start = prompt.num_tokens - int(prompt.question.shape[0])
+    return FusionPrompt(ids[:n], tuple(segments), prompt.question[max(0, n - q_start):], prompt.metadata)
+
+
+def head_cache(kept: KeptPrefix, n: int) -> ChunkKV:
+    """The kept K/V of the first `n` tokens as a prefix cache (positions `0..n-1`, as kept)."""
+    return ChunkKV(token_ids=kept.token_ids[:n], keys=kept.keys[:, :, :n], values=kept.values[:, :, :n],
+                   positions=torch.arange(n), fingerprint=kept.fingerprint, variant="independent")
+
+
+def reopen(st: Stitched, kept: KeptPrefix, n: int) -> int:
+    """Make the inexact kept tokens among the first `n` reusable slots of `st` (in slot order, before
+    the chunks stitched after them); returns how many there are."""
+    runs = _runs(kept.inexact[:n])
+    device = st.buf.keys.device
+    slots = [torch.arange(a, b, device=device) for a, b in runs]
+    drifts = [None if bool(torch.isnan(kept.drift[a:b]).any()) else kept.drift[a:b].to(device) for a, b in runs]
+    st.chunk_slots[:0] = slots
+    st.chunk_drift[:0] = drifts
+    st.chunk_sources[:0] = [None] * len(runs)
+    return sum(b - a for a, b in runs)
+
+
+def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], fingerprint: str,
+              kept_runs: tuple[ReusedRun, ...], exact_base: int) -> KeptPrefix:
+    """The finished request's K/V as a prefix entry: every computed slot (prompt, then the answer tokens
+    fed back), which of them are reused chunk tokens never recomputed, and where those came from.
+
+    Args:
+        st: the request's buffer after decoding (slot == position for every slot in use).
+        selected: `[K]` slots its selector recomputed.
+        answer_ids: the generated tokens (those fed back hold the slots after the prompt).
+        fingerprint: the model's.
+        kept_runs: the runs of the kept prefix it continued (they stay valid: verified at its start).
+        exact_base: how many leading slots held exact K/V before its passes ran (the prefix, an exact
+            first chunk, a continued entry's exact head).
+    """
+    T = st.buf.length
+    inexact = torch.zeros(T, dtype=torch.bool)
+    drift = torch.zeros(T, dtype=torch.float32)
+    reusable = st.reusable_slots.cpu()
+    if reusable.numel():
+        inexact[reusable] = True
+        drift[reusable] = st.drift().float().cpu()
+        for slots, d in zip(st.chunk_slots, st.chunk_drift, strict=True):
+            if d is None:
+                drift[slots.cpu()] = float("nan")
+    inexact[selected.cpu()] = False
+    inexact[st.exact_slots.cpu()] = False
+    runs = list(kept_runs)
+    for slots, source in zip(st.chunk_slots, st.chunk_sources, strict=True):
+        if source is not None:
+            runs.append(ReusedRun(int(slots[0]), int(slots[-1]) + 1, *source))
+    # NOTE: slots its recompute pass and decode steps computed attend to every slot before them, so
+    # they extend the exact head as long as they follow it without a gap
+    computed = torch.zeros(T, dtype=torch.bool)
+    for slots in (selected, st.forced_slots, st.question_slots):
+        computed[slots.cpu()] = True
+    computed[int(st.slot_tokens.shape[0]):] = True
+    exact = exact_base
+    while exact < T and computed[exact]:
+        exact += 1
+    fed = T - int(st.slot_tokens.shape[0])
+    assert 0 <= fed <= len(answer_ids), f"{fed} slots after the prompt, {len(answer_ids)} answer tokens"
+    token_ids = torch.cat([st.slot_tokens.cpu(), torch.tensor(answer_ids[:fed], dtype=torch.int64)])  # [T]
+    return KeptPrefix(
+        token_ids=token_ids,
+        keys=st.buf.keys[:, :, :T].clone(), values=st.buf.values[:, :, :T].clone(), inexact=inexact, drift=drift,
+        runs=tuple(sorted(runs, key=lambda r: r.start)), fingerprint=fingerprint,
+        prompt_tokens=int(st.slot_tokens.shape[0]), exact_tokens=exact,
+    )
+
+
+def _segment_starts(prompt: FusionPrompt) -> list[int]:
+    starts, at = [], int(prompt.prefix.shape[0])
+    for seg in prompt.segments:
+        starts.append(at)
+        at += seg.num_tokens
+    return starts
+
+
+def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """`[a, b)` ranges where `mask` `[T]` is True."""
+    padded = torch.cat([torch.zeros(1, dtype=torch.int8), mask.to(torch.int8), torch.zeros(1, dtype=torch.int8)])
+    edges = torch.nonzero(padded[1:] - padded[:-1]).flatten().tolist()
+    return list(zip(edges[0::2], edges[1::2], strict=True))
+
+
+__all__ = ["head_cache", "kept_from", "reopen", "rest_of", "verified_head"]

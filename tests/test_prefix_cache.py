@@ -1,0 +1,239 @@
+"""Exact prefix reuse across requests (`EngineConfig.prefix_cache`): a conversation's follow-up
+continues from the K/V its earlier turn computed.
+
+What is proven: the cache finds the longest kept head by token blocks and never trusts a hash
+alone; only a prompt holding a kept request's whole prompt continues it (a repeated prompt does
+not); it stays within its byte budget; full attention continued from a kept exact head equals a
+fresh full attention (logits within fp tolerance, greedy tokens equal), on Llama and on a
+sliding-window Gemma 3; a FusionRAG follow-up continued from its first turn is no further from
+full attention (first-token KL) than the same follow-up answered afresh; every prompt token is
+still counted once; a chunk whose stored cache changed since ends the continued head before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerBase
+
+from fusionrag_core.engine import FusionEngine, Generation
+from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.query.divergence import first_token_kl
+from fusionrag_core.query.prompt import FusionPrompt
+from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.runtime.kv import ChunkKV
+from fusionrag_core.serve.prefix_cache import KeptPrefix, PrefixCache, PrefixCacheConfig
+
+DOCS = {
+    "lumen": "The Lumen lighthouse on Gull Point was designed by the engineer Ada Vell in 1891. Its lamp is red.",
+    "vell": "Ada Vell was born in the port town of Marrow, where her father repaired ship clocks for the fleet.",
+    "marrow": "Marrow lies at the mouth of the river Tell and is known for its salt market and its pink salt.",
+    "tell": "The river Tell froze twice in the nineteenth century, in 1830 and in 1891, closing the harbour.",
+}
+CONVERSATIONS = [
+    (["lumen", "vell", "marrow"], "Who designed the Lumen lighthouse?", "Where was that person born?"),
+    (["marrow", "tell", "lumen"], "What is Marrow known for?", "Which river flows there?"),
+    (["tell", "lumen", "vell"], "When did the river Tell freeze?", "What else happened in 1891?"),
+    (["vell", "marrow", "tell"], "What did Ada Vell's father repair?", "In which town did he work?"),
+    (["marrow", "vell", "lumen"], "Who designed the Lumen lighthouse?", "Say more about it."),
+    (["lumen", "tell", "marrow"], "What is Marrow known for?", "Say more about it."),
+    (["vell", "lumen", "tell"], "When did the river Tell freeze?", "Say more about it."),
+    (["tell", "marrow", "vell"], "What did Ada Vell's father repair?", "Say more about it."),
+]
+SAMPLING = SamplingConfig(max_new_tokens=12)
+
+
+# ---- the cache itself ----------------------------------------------------------------------------
+def _entry(ids: list[int], nbytes_per_token: int = 8, prompt: int = 4) -> KeptPrefix:
+    T = len(ids)
+    kv = torch.zeros(1, 1, T, nbytes_per_token // 8)  # fp32: 4 bytes, keys + values
+    return KeptPrefix(token_ids=torch.tensor(ids), keys=kv, values=kv.clone(), inexact=torch.zeros(T, dtype=torch.bool),
+                      drift=torch.zeros(T), runs=(), fingerprint="fp", prompt_tokens=prompt, exact_tokens=T)
+
+
+def test_match_finds_the_longest_kept_head_and_compares_tokens() -> None:
+    cache = PrefixCache(PrefixCacheConfig(block_tokens=4, min_tokens=4), "fp")
+    cache.keep(_entry(list(range(20))))
+    cache.keep(_entry(list(range(10)) + [99] * 10))
+    found = cache.match(torch.tensor([*list(range(14)), 7, 7]), limit=15)
+    assert found is not None and found[1] == 14  # past the last full block, within the first entry
+    found = cache.match(torch.tensor([*list(range(10)), 99, 99, 5]), limit=12)
+    assert found is not None and found[1] == 12  # the limit caps the head
+    assert cache.match(torch.tensor([1, 2, 3, 4, 5]), limit=5) is None  # the first block differs
+    assert cache.stats()["prefix_hits"] == 2 and cache.stats()["prefix_misses"] == 1
+    cache.keep(_entry([9] * 16, prompt=12))
+    assert cache.match(torch.tensor([9] * 11 + [1]), limit=12) is None  # not the whole kept prompt
+    found = cache.match(torch.tensor([9] * 12 + [1]), limit=13)
+    assert found is not None and found[1] == 12
+
+
+def test_a_hash_never_decides_alone() -> None:
+    """An entry whose block hashes point at it but whose tokens differ (a forged index) gives no match."""
+    cache = PrefixCache(PrefixCacheConfig(block_tokens=4, min_tokens=4), "fp")
+    cache.keep(_entry(list(range(8))))
+    ((key, entry),) = cache._entries.items()
+    cache._entries[key] = dataclasses.replace(entry, token_ids=torch.tensor([50] * 8))
+    assert cache.match(torch.tensor(list(range(8))), limit=8) is None
+
+
+def test_lru_eviction_keeps_the_budget_and_replaced_entries_go() -> None:
+    one = _entry(list(range(16)), nbytes_per_token=64).nbytes
+    room = one + one // 4  # a 16-token entry and a 20-token one, not three entries
+    cache = PrefixCache(PrefixCacheConfig(max_bytes=2 * room, block_tokens=4, min_tokens=4), "fp")
+    a, b, c = (_entry([k] * 4 + list(range(12)), 64) for k in (100, 200, 300))
+    cache.keep(a)
+    cache.keep(b)
+    assert cache.match(a.token_ids, limit=16) is not None  # a is now the most recently used
+    cache.keep(c)
+    stats = cache.stats()
+    assert stats["prefix_entries"] == 2 and stats["prefix_bytes"] <= 2 * room and stats["prefix_evictions"] == 1
+    assert cache.match(b.token_ids, limit=16) is None and cache.match(a.token_ids, limit=16) is not None
+    longer = _entry([*a.token_ids.tolist(), 5, 6, 7, 8], 64)
+    cache.keep(longer, replaces=a)
+    assert cache.stats()["prefix_entries"] == 2  # c and the continuation of a; a itself is gone
+    with pytest.raises(InvalidRequestError, match="another model"):
+        cache.keep(dataclasses.replace(longer, fingerprint="other"))
+
+
+# ---- continuing requests -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engines(default_engine: FusionEngine) -> tuple[FusionEngine, FusionEngine]:
+    """(an engine with a prefix cache of its own, one without), on the packaged SmolLM2."""
+    kept = default_engine.with_config(dataclasses.replace(default_engine.config, prefix_cache=PrefixCacheConfig()))
+    fresh = default_engine.with_config(dataclasses.replace(default_engine.config, prefix_cache=None))
+    return kept, fresh
+
+
+@pytest.fixture(scope="module")
+def fused(default_engine: FusionEngine) -> dict[str, ChunkKV]:
+    """Each document's cache fused after the others' independent caches."""
+    alone = {k: default_engine.chunk_cache(text) for k, text in DOCS.items()}
+    return {k: default_engine.chunk_cache(text, [alone[o] for o in DOCS if o != k]) for k, text in DOCS.items()}
+
+
+def _turns(engine: FusionEngine, conversation: tuple[list[str], str, str],
+           first: Generation | None) -> tuple[FusionPrompt, FusionPrompt | None]:
+    names, question, follow_up = conversation
+    context = "\n\n".join(DOCS[n] for n in names)
+    messages = [{"role": "user", "content": f"Context:\n{context}\n\n{question}"}]
+    documents = {n: DOCS[n] for n in names}
+    one = engine.prompt_from_messages(messages, documents=documents)
+    if first is None:
+        return one, None
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": follow_up}]
+    return one, engine.prompt_from_messages(messages, documents=documents)
+
+
+def test_full_attention_continued_equals_full_attention(engines: tuple[FusionEngine, FusionEngine]) -> None:
+    kept, fresh = engines
+    kept.kept_prefixes.clear()  # type: ignore[union-attr]
+    for conversation in CONVERSATIONS[:2]:
+        one, _ = _turns(kept, conversation, None)
+        first = kept.full_attention(one, sampling=SAMPLING).collect()
+        _, two = _turns(kept, conversation, first)
+        assert two is not None
+        continued = kept.full_attention(two, sampling=SAMPLING).collect()
+        reference = fresh.full_attention(two, sampling=SAMPLING).collect()
+        assert continued.prefix_cached_tokens >= one.num_tokens  # the whole first turn, and its answer's head
+        assert continued.token_ids == reference.token_ids
+        torch.testing.assert_close(continued.first_token_logits, reference.first_token_logits, atol=1e-3, rtol=0)
+        continued.token_partition()
+
+
+def test_a_fusionrag_follow_up_is_no_further_from_full_attention_than_a_fresh_one(
+        engines: tuple[FusionEngine, FusionEngine], fused: dict[str, ChunkKV]) -> None:
+    kept, fresh = engines
+    kept.kept_prefixes.clear()  # type: ignore[union-attr]
+    kl_kept, kl_fresh = [], []
+    for conversation in CONVERSATIONS:
+        one, _ = _turns(kept, conversation, None)
+        first = kept.generate(one, sampling=SAMPLING, caches=fused)
+        _, two = _turns(kept, conversation, first)
+        assert two is not None
+        continued = kept.generate(two, sampling=SAMPLING, caches=fused)
+        again = fresh.generate(two, sampling=SAMPLING, caches=fused)
+        reference = fresh.full_attention(two, sampling=SamplingConfig(max_new_tokens=1)).collect()
+        assert continued.prefix_cached_tokens > again.prefix_cached_tokens  # it did continue the first turn
+        assert continued.recomputed_tokens > 0  # the new question recomputed some kept chunk tokens
+        assert continued.prefilled_tokens < again.prefilled_tokens
+        continued.token_partition()
+        kl_kept.append(first_token_kl(reference.first_token_logits, continued.first_token_logits))
+        kl_fresh.append(first_token_kl(reference.first_token_logits, again.first_token_logits))
+    # NOTE: per conversation either may win (the kept turn's question and answer were computed over
+    # the first turn's recompute, a fresh request recomputes them); over the set, continuing is no worse
+    assert sum(kl_kept) <= sum(kl_fresh), (kl_kept, kl_fresh)
+    assert kept.stats()["prefix_hits"] >= len(CONVERSATIONS)
+
+
+def test_a_changed_chunk_cache_ends_the_continued_head(
+        engines: tuple[FusionEngine, FusionEngine], fused: dict[str, ChunkKV]) -> None:
+    """The second document was re-fused (another neighbour digest) after the first turn: the
+    follow-up continues only up to where that chunk starts, and reuses the new cache."""
+    kept, _ = engines
+    kept.kept_prefixes.clear()  # type: ignore[union-attr]
+    conversation = CONVERSATIONS[0]
+    one, _ = _turns(kept, conversation, None)
+    first = kept.generate(one, sampling=SAMPLING, caches=fused)
+    _, two = _turns(kept, conversation, first)
+    assert two is not None
+    refused = dict(fused, vell=dataclasses.replace(fused["vell"], fused_after="re-fused"))
+    continued = kept.generate(two, sampling=SAMPLING, caches=refused)
+    start = int(one.prefix.shape[0]) + one.segments[0].num_tokens  # where the "vell" chunk starts
+    assert one.segments[1].chunk_id == "vell"
+    assert continued.prefix_cached_tokens + continued.reused_tokens + continued.recomputed_tokens > 0
+    assert continued.prefix_cached_tokens <= start
+    assert continued.cache_variants.get("fused", 0) >= 2  # "vell" and what follows came from the caches
+    continued.token_partition()
+
+
+@pytest.mark.parametrize("window", [8])
+def test_sliding_window_model_continues_exactly(smollm_tokenizer: PreTrainedTokenizerBase, window: int) -> None:
+    """Gemma 3 with a window far shorter than the prompt: full attention continued equals a fresh one."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
+                              max_position_embeddings=2048,
+                              layer_types=["sliding_attention", "full_attention"] * 2)
+    engine = FusionEngine(Gemma3ForCausalLM(config).eval(), smollm_tokenizer, name="tiny-gemma3")
+    fresh = engine.with_config(dataclasses.replace(engine.config, prefix_cache=None))
+    first = engine.prompt("What is kept?", chunks=list(DOCS.values())[:2])
+    answer = engine.full_attention(first, sampling=SAMPLING).collect()
+    follow = FusionPrompt(first.prefix, first.segments,
+                          torch.cat([first.question, torch.tensor(answer.token_ids), first.question]))
+    continued = engine.full_attention(follow, sampling=SAMPLING).collect()
+    reference = fresh.full_attention(follow, sampling=SAMPLING).collect()
+    assert continued.prefix_cached_tokens >= first.num_tokens
+    assert continued.token_ids == reference.token_ids
+    torch.testing.assert_close(continued.first_token_logits, reference.first_token_logits, atol=1e-4, rtol=0)
+
+
+# ---- through the integrations --------------------------------------------------------------------
+def test_a_chat_follow_up_continues_its_first_turn_in_both_frameworks(
+        engines: tuple[FusionEngine, FusionEngine]) -> None:
+    """LangChain's and LlamaIndex's chat models send the whole conversation each turn; the second
+    turn continues the first's K/V (reported as cached prompt tokens) without any option."""
+    from langchain_core.messages import AIMessage, HumanMessage
+    from llama_index.core.llms import ChatMessage
+
+    from fusionrag_integrations.langchain import ChatFusionRAG
+    from fusionrag_integrations.llama_index import FusionRAGLLM
+
+    kept, _ = engines
+    kept.kept_prefixes.clear()  # type: ignore[union-attr]
+    context = "\n\n".join(DOCS.values())
+    first_question = f"Context:\n{context}\n\nWho designed the Lumen lighthouse?"
+    chat = ChatFusionRAG(engine=kept, max_tokens=8, learn=False)
+    first = chat.invoke([HumanMessage(first_question)])
+    second = chat.invoke([HumanMessage(first_question), AIMessage(str(first.content)),
+                          HumanMessage("Where was that person born?")])
+    assert first.usage_metadata is not None and second.usage_metadata is not None
+    first_prompt = first.usage_metadata["input_tokens"]
+    assert second.response_metadata["prefix_cached_tokens"] >= first_prompt
+    llm = FusionRAGLLM(engine=kept, max_new_tokens=8, learn=False)
+    one = llm.chat([ChatMessage(role="user", content=first_question + " Answer briefly.")])
+    two = llm.chat([ChatMessage(role="user", content=first_question + " Answer briefly."),
+                    ChatMessage(role="assistant", content=str(one.message.content)),
+                    ChatMessage(role="user", content="Where was that person born?")])
+    assert two.raw["prefix_cached_tokens"] >= one.raw["prompt_tokens"]
