@@ -315,14 +315,17 @@ class Scheduler:
             if ticket in self._running:
                 self._running.remove(ticket)
             self._running_bytes -= ticket.kv_bytes
+        # NOTE: read before the last event: once its reader sees it, the reader cancels (a no-op for
+        # a finished request) and reads `decoding`, which must then still be there
+        abandoned = ticket.cancelled
+        if abandoned:
+            ticket.decoding = None  # NOTE: frees the buffer: nobody will read this answer
         if error is not None:
             ticket.fail(error)
         else:
-            if ticket.decoding is not None and not ticket.cancelled:
+            if ticket.decoding is not None:
                 ticket.put(ticket.decoding.flush())
             ticket.finish()
-        if ticket.cancelled:
-            ticket.decoding = None  # NOTE: frees the buffer: nobody will read this answer
 
 
 __all__ = ["Scheduler", "SchedulerConfig", "Ticket"]
