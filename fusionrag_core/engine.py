@@ -295,9 +295,9 @@ class Prepared:
     prefilled_tokens: int
     selector: str
     ratio: float | None
+    selected: torch.Tensor
+    stitched_prompt: FusionPrompt
     prefix_cached_tokens: int = 0
-    selected: torch.Tensor | None = None
-    stitched_prompt: FusionPrompt | None = None
     kept_runs: tuple[ReusedRun, ...] = ()
     continued: KeptPrefix | None = None
     exact_base: int = 0
@@ -710,7 +710,9 @@ class FusionEngine:
         if use_prefix:
             lookup = prefetch(prompt, lookup, self._loader, inline=in_memory)
         kept, n = self._kept_head(prompt, lookup, exact_only=not use_prefix)
+        kept_runs: tuple[ReusedRun, ...] = ()
         if kept is not None:
+            kept_runs = tuple(dataclasses.replace(r, end=min(r.end, n)) for r in kept.runs if r.start < n)
             stitched_prompt = rest_of(prompt, n) if use_prefix else FusionPrompt(prompt.token_ids()[:n], (),
                                                                                    prompt.token_ids()[n:])
             st = stitch(self.decoder, stitched_prompt, head_cache(kept, n), lookup,
@@ -720,7 +722,7 @@ class FusionEngine:
             exact_base = min(n, kept.exact_tokens)
             # NOTE: the new question gets the recompute budget a fresh request would: a share of every
             # reused chunk token, those an earlier turn recomputed included (they are no candidates)
-            chunk_tokens = sum(min(r.end, n) - r.start for r in kept.runs if r.start < n)
+            chunk_tokens = sum(r.end - r.start for r in kept_runs)
             budget_base = st.num_reused_tokens + max(0, chunk_tokens - reopened)
         elif use_prefix:
             stitched_prompt = prompt
@@ -752,8 +754,7 @@ class FusionEngine:
             prefix_cached_tokens=prefix_cached,
             selected=selected,
             stitched_prompt=stitched_prompt,
-            kept_runs=tuple(dataclasses.replace(r, end=min(r.end, n)) for r in kept.runs if r.start < n)
-            if kept is not None else (),
+            kept_runs=kept_runs,
             continued=kept if kept is not None and n == kept.num_tokens else None,
             exact_base=exact_base,
         )
@@ -761,7 +762,7 @@ class FusionEngine:
     def _kept_head(self, prompt: FusionPrompt, lookup: CacheLookup, *,
                    exact_only: bool) -> tuple[KeptPrefix | None, int]:
         """The kept prefix this prompt continues and how many of its tokens (all but the last at most;
-        `exact_only`: up to the entry's first inexact token), or (None, 0)."""
+        `exact_only`: within the entry's exact head), or (None, 0)."""
         if self.kept_prefixes is None:
             return None, 0
         ids = prompt.token_ids()
@@ -808,8 +809,8 @@ class FusionEngine:
         assert decoding.finish_reason is not None and decoding.first_token_at is not None
         if learn is not None and st.missed:
             # NOTE: after decoding: what it stores never delays the answer
-            learn(prepared.stitched_prompt or prompt, st)
-        if self.kept_prefixes is not None and prepared.selected is not None:
+            learn(prepared.stitched_prompt, st)
+        if self.kept_prefixes is not None:
             kept = kept_from(st, prepared.selected, decoding.ids, self.fingerprint, prepared.kept_runs,
                              prepared.exact_base)
             self.kept_prefixes.keep(kept, replaces=prepared.continued)
