@@ -45,7 +45,7 @@ from fusionrag_core.recognise.content_index import Match
 from fusionrag_core.runtime import loading
 from fusionrag_core.runtime.decoder import Decoder
 from fusionrag_core.runtime.kv import ChunkKV, Variant
-from fusionrag_core.serve.continuation import head_cache, kept_from, reopen, rest_of, verified_head
+from fusionrag_core.serve.continuation import head_cache, kept_from, reopen, rest_of, settle, verified_head
 from fusionrag_core.serve.prefix_cache import KeptPrefix, PrefixCache, PrefixCacheConfig, ReusedRun
 from fusionrag_core.serve.scheduler import Scheduler, SchedulerConfig
 from fusionrag_core.store.codec import is_storable_chunk_id
@@ -709,7 +709,10 @@ class FusionEngine:
         recompute, up to the first generated position's logits."""
         if use_prefix:
             lookup = prefetch(prompt, lookup, self._loader, inline=in_memory)
-        kept, n = self._kept_head(prompt, lookup, exact_only=not use_prefix)
+        # NOTE: a full recompute (and full attention) must equal a plain prefill, so it continues only
+        # exact K/V: a kept turn's question and answer attended to the approximate chunk K/V of its time
+        full_recompute = not use_prefix or name == "all" or select_config.ratio >= 1.0
+        kept, n = self._kept_head(prompt, lookup, exact_only=full_recompute)
         kept_runs: tuple[ReusedRun, ...] = ()
         if kept is not None:
             kept_runs = tuple(dataclasses.replace(r, end=min(r.end, n)) for r in kept.runs if r.start < n)
@@ -721,7 +724,7 @@ class FusionEngine:
             prefilled, prefix_cached = int(stitched_prompt.question.shape[0]), n - reopened
             exact_base = min(n, kept.exact_tokens)
             # NOTE: the new question gets the recompute budget a fresh request would: a share of every
-            # reused chunk token, those an earlier turn recomputed included (they are no candidates)
+            # reused chunk token (those of the exact head are no candidates)
             chunk_tokens = sum(r.end - r.start for r in kept_runs)
             budget_base = st.num_reused_tokens + max(0, chunk_tokens - reopened)
         elif use_prefix:
@@ -741,6 +744,10 @@ class FusionEngine:
             prefilled, prefix_cached, exact_base, budget_base = prompt.num_tokens, 0, 0, 0
         budget = min(select_config.budget(budget_base), st.num_reused_tokens)
         selected = select_fn(st, budget, select_config)
+        # NOTE: the new question's selection is a fresh request's; what an earlier one already
+        # recomputed is continued as kept, and only the rest of it is computed now
+        selected, settled = settle(st, selected)
+        prefix_cached += settled
         first_logits, recomputed = recompute(st, selected)
         num_selected = int(selected.shape[0])
         return Prepared(

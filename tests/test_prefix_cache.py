@@ -5,9 +5,10 @@ What is proven: the cache finds the longest kept head by token blocks and never 
 alone; only a prompt holding a kept request's whole prompt continues it (a repeated prompt does
 not); it stays within its byte budget; full attention continued from a kept exact head equals a
 fresh full attention (logits within fp tolerance, greedy tokens equal), on Llama and on a
-sliding-window Gemma 3; a FusionRAG follow-up continued from its first turn is no further from
-full attention (first-token KL) than the same follow-up answered afresh; every prompt token is
-still counted once; a chunk whose stored cache changed since ends the continued head before it.
+sliding-window Gemma 3; a FusionRAG follow-up continued from its first turn recomputes only chunk
+tokens its first turn left as reused (how well it answers: tests/test_followup_quality.py); a full
+recompute (ratio 1.0) continued equals full attention; every prompt token is still counted once; a
+chunk whose stored cache changed since ends the continued head before it.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerBase
 
+import fusionrag_core.engine as engine_module
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.query.divergence import first_token_kl
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.runtime.kv import ChunkKV
@@ -142,11 +143,12 @@ def test_full_attention_continued_equals_full_attention(engines: tuple[FusionEng
         continued.token_partition()
 
 
-def test_a_fusionrag_follow_up_is_no_further_from_full_attention_than_a_fresh_one(
+def test_a_fusionrag_follow_up_continues_and_recomputes_less_than_a_fresh_one(
         engines: tuple[FusionEngine, FusionEngine], fused: dict[str, ChunkKV]) -> None:
+    """How it is answered; how well (first-token KL against full attention, no worse than a fresh
+    request's) is measured on the benchmark's shared-corpus rows: tests/test_followup_quality.py."""
     kept, fresh = engines
     kept.kept_prefixes.clear()  # type: ignore[union-attr]
-    kl_kept, kl_fresh = [], []
     for conversation in CONVERSATIONS:
         one, _ = _turns(kept, conversation, None)
         first = kept.generate(one, sampling=SAMPLING, caches=fused)
@@ -154,17 +156,56 @@ def test_a_fusionrag_follow_up_is_no_further_from_full_attention_than_a_fresh_on
         assert two is not None
         continued = kept.generate(two, sampling=SAMPLING, caches=fused)
         again = fresh.generate(two, sampling=SAMPLING, caches=fused)
-        reference = fresh.full_attention(two, sampling=SamplingConfig(max_new_tokens=1)).collect()
         assert continued.prefix_cached_tokens > again.prefix_cached_tokens  # it did continue the first turn
         assert continued.recomputed_tokens > 0  # the new question recomputed some kept chunk tokens
+        # NOTE: its selection is a fresh request's budget; what the first turn recomputed is not again
+        assert continued.recomputed_tokens < again.recomputed_tokens
         assert continued.prefilled_tokens < again.prefilled_tokens
         continued.token_partition()
-        kl_kept.append(first_token_kl(reference.first_token_logits, continued.first_token_logits))
-        kl_fresh.append(first_token_kl(reference.first_token_logits, again.first_token_logits))
-    # NOTE: per conversation either may win (the kept turn's question and answer were computed over
-    # the first turn's recompute, a fresh request recomputes them); over the set, continuing is no worse
-    assert sum(kl_kept) <= sum(kl_fresh), (kl_kept, kl_fresh)
     assert kept.stats()["prefix_hits"] >= len(CONVERSATIONS)
+
+
+def test_a_follow_up_recomputes_only_what_its_first_turn_did_not(
+        engines: tuple[FusionEngine, FusionEngine], fused: dict[str, ChunkKV], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The follow-up's selection is ranked over every kept chunk token past the exact head; the
+    tokens the first turn already recomputed count in it but are not computed again, and every
+    token it recomputes was one the first turn left as reused."""
+    kept, _ = engines
+    kept.kept_prefixes.clear()  # type: ignore[union-attr]
+    one, _ = _turns(kept, CONVERSATIONS[0], None)
+    first = kept.generate(one, sampling=SAMPLING, caches=fused)
+    _, two = _turns(kept, CONVERSATIONS[0], first)
+    assert two is not None
+    found = kept.kept_prefixes.match(two.token_ids(), two.num_tokens - 1)  # type: ignore[union-attr]
+    assert found is not None
+    seen: list[torch.Tensor] = []
+    recompute = engine_module.recompute
+    monkeypatch.setattr(engine_module, "recompute",
+                        lambda st, selected: (seen.append(selected.cpu()), recompute(st, selected))[1])
+    continued = kept.generate(two, sampling=SAMPLING, caches=fused)
+    (selected,) = seen
+    assert selected.numel() == continued.recomputed_tokens > 0
+    assert bool(found[0].inexact[selected].all())  # never a token the first turn recomputed
+    budget = round(0.15 * sum(seg.num_tokens for seg in one.segments if seg.chunk_id))
+    assert continued.recomputed_tokens < budget  # the first turn's share of the selection was skipped
+    continued.token_partition()
+
+
+def test_a_full_recompute_follow_up_equals_full_attention(
+        engines: tuple[FusionEngine, FusionEngine], fused: dict[str, ChunkKV]) -> None:
+    """Ratio 1.0 continues only the exact head (the kept question and answer attended to approximate
+    chunk K/V), so it still equals a plain prefill."""
+    kept, fresh = engines
+    kept.kept_prefixes.clear()  # type: ignore[union-attr]
+    one, _ = _turns(kept, CONVERSATIONS[1], None)
+    first = kept.generate(one, sampling=SAMPLING, caches=fused)
+    _, two = _turns(kept, CONVERSATIONS[1], first)
+    assert two is not None
+    full = kept.generate(two, sampling=SAMPLING, caches=fused, ratio=1.0)
+    reference = fresh.full_attention(two, sampling=SAMPLING).collect()
+    assert full.token_ids == reference.token_ids
+    torch.testing.assert_close(full.first_token_logits, reference.first_token_logits, atol=1e-3, rtol=0)
+    full.token_partition()
 
 
 def test_a_changed_chunk_cache_ends_the_continued_head(

@@ -81,6 +81,9 @@ class Stitched:
             (`ChunkKV.drift`) or None when the cache carries none.
         chunk_sources: per reused chunk (aligned with `chunk_slots`), `(chunk id, variant,
             fused_after)` of the cache it came from; None for K/V continued from a kept prefix.
+        settled_slots: `[S]` reusable slots continued from a kept prefix whose K/V an earlier
+            request already recomputed (`serve.continuation.reopen`): a selector ranks them like
+            any, and a partial recompute does not compute them again.
     """
 
     decoder: Decoder
@@ -96,6 +99,7 @@ class Stitched:
     exact_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     chunk_drift: list[torch.Tensor | None] = field(default_factory=list)
     chunk_sources: list[tuple[str, str, str] | None] = field(default_factory=list)
+    settled_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
     @property
     def reusable_slots(self) -> torch.Tensor:

@@ -2,9 +2,12 @@
 
 A request whose prompt starts with `n` kept tokens is stitched as the prompt `rest_of(prompt, n)`:
 those tokens are its prefix, their K/V copied from the kept entry at the positions they had, the
-rest laid out as usual (chunk caches re-rotated after them). The kept tokens that were reused from
-chunk caches and never recomputed become reusable slots again (`reopen`), so the new question's
-selection may recompute them, exactly as it would chunk tokens loaded from the store.
+rest laid out as usual (chunk caches re-rotated after them). The kept chunk tokens outside its exact
+head become reusable slots again (`reopen`), so the new question's selection ranks them exactly as
+it would chunk tokens loaded from the store. Those an earlier question already recomputed are
+settled: a partial recompute counts them in its selection but does not compute them again
+(`settle`), so a follow-up recomputes only what its own question needs beyond what the
+conversation already did.
 """
 
 from __future__ import annotations
@@ -68,16 +71,47 @@ def head_cache(kept: KeptPrefix, n: int) -> ChunkKV:
 
 
 def reopen(st: Stitched, kept: KeptPrefix, n: int) -> int:
-    """Make the inexact kept tokens among the first `n` reusable slots of `st` (in slot order, before
-    the chunks stitched after them); returns how many there are."""
-    runs = _runs(kept.inexact[:n])
+    """Make the kept chunk tokens among the first `n`, past the entry's exact head, reusable slots of
+    `st` (in slot order, before the chunks stitched after them); returns how many there are.
+
+    Those an earlier request recomputed (chunk tokens no longer `inexact`) are also recorded in
+    `st.settled_slots`: their K/V are what a fresh request's recompute would compute there, up to
+    the approximate K/V they attended to.
+    """
+    in_runs = torch.zeros(n, dtype=torch.bool)
+    for run in kept.runs:
+        in_runs[max(run.start, kept.exact_tokens):min(run.end, n)] = True
+    inexact = kept.inexact[:n]
+    runs = _runs(in_runs | inexact)
     device = st.buf.keys.device
     slots = [torch.arange(a, b, device=device) for a, b in runs]
     drifts = [None if bool(torch.isnan(kept.drift[a:b]).any()) else kept.drift[a:b].to(device) for a, b in runs]
     st.chunk_slots[:0] = slots
     st.chunk_drift[:0] = drifts
     st.chunk_sources[:0] = [None] * len(runs)
+    st.settled_slots = torch.nonzero(in_runs & ~inexact).flatten().to(device)  # [S]
     return sum(b - a for a, b in runs)
+
+
+def settle(st: Stitched, selected: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`selected` without the settled slots, which stop being reusable slots of `st` (their K/V stay
+    as kept); returns it and how many settled slots there were.
+
+    NOTE: a full recompute (ratio 1.0) continues only a kept entry's exact head, which has no
+    settled slots, so it stays equal to a plain prefill.
+    """
+    settled = st.settled_slots
+    if settled.numel() == 0:
+        return selected, 0
+    keep = [~torch.isin(s, settled) for s in st.chunk_slots]
+    st.chunk_drift = [None if d is None else d[k] for d, k in zip(st.chunk_drift, keep, strict=True)]
+    st.chunk_slots = [s[k] for s, k in zip(st.chunk_slots, keep, strict=True)]
+    live = [i for i, s in enumerate(st.chunk_slots) if s.numel()]
+    st.chunk_slots = [st.chunk_slots[i] for i in live]
+    st.chunk_drift = [st.chunk_drift[i] for i in live]
+    st.chunk_sources = [st.chunk_sources[i] for i in live]
+    st.settled_slots = settled[:0]
+    return selected[~torch.isin(selected, settled.to(selected.device))], int(settled.shape[0])
 
 
 def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], fingerprint: str,
@@ -145,4 +179,4 @@ def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(edges[0::2], edges[1::2], strict=True))
 
 
-__all__ = ["head_cache", "kept_from", "reopen", "rest_of", "verified_head"]
+__all__ = ["head_cache", "kept_from", "reopen", "rest_of", "settle", "verified_head"]
