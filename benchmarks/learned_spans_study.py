@@ -39,6 +39,7 @@ figures, in one run, with one engine:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -64,6 +65,7 @@ from fusionrag_core.query.divergence import first_token_agree, first_token_kl
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.reuse.learned import content_id
+from fusionrag_core.serve.prefix_cache import PrefixCacheConfig
 from fusionrag_integrations.langchain import ChatFusionRAG
 from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
@@ -118,6 +120,11 @@ def study(engine: FusionEngine, args: argparse.Namespace,
     if len(rows) < args.rows + args.overhead_repeats + 1:
         raise SystemExit(f"{args.data} has too few rows after --skip {args.skip}: need --rows + --overhead-repeats + 1")
     quality_rows, fresh_rows = rows[:args.rows], rows[args.rows:]
+    # NOTE: learned spans are what is studied: the engine's prefix cache stays out of it, except in a
+    # second ask measured apart with `shared_documents` (which answers a repeated prompt from its K/V)
+    sharing = PrefixCacheConfig(shared_documents=True)
+    product = engine.with_config(dataclasses.replace(engine.config, prefix_cache=sharing))
+    engine = engine.with_config(dataclasses.replace(engine.config, prefix_cache=None))
     passages = [row_passages(row, engine, args.max_passage_tokens) for row in quality_rows]
     ef = embedding_function if embedding_function is not None else chroma.default_embedding_function()
     with tempfile.TemporaryDirectory(prefix="learned-spans-") as tmp:
@@ -131,6 +138,8 @@ def study(engine: FusionEngine, args: argparse.Namespace,
         retrieved = [context_of(index, row, own, "retrieved", args.k) for row, own in zip(
             quality_rows[:args.ttft_questions], passages, strict=False)]
         second_ask = second_ask_study(engine, quality_rows[:args.ttft_questions], retrieved, root / "asks", args)
+        second_ask_product = second_ask_study(product, quality_rows[:args.ttft_questions], retrieved,
+                                              root / "asks-shared-documents", args)
         index.close()
         fresh = [row_passages(row, engine, args.max_passage_tokens) for row in fresh_rows]
         overhead = overhead_study(engine, fresh_rows, fresh, root / "overhead", args)
@@ -146,8 +155,9 @@ def study(engine: FusionEngine, args: argparse.Namespace,
         "seconds": time.perf_counter() - started,
         "quality": quality,
         "second_ask": second_ask,
+        "second_ask_shared_documents": second_ask_product,
         "overhead": overhead,
-        "goals": goals(quality, second_ask, overhead, args.ratios),
+        "goals": goals(quality, second_ask, second_ask_product, overhead, args.ratios),
     }
     text = json.dumps(doc, indent=1)
     print(text)
@@ -343,7 +353,8 @@ def timed_ask(llm: ChatFusionRAG, messages: Sequence[BaseMessage]) -> dict[str, 
     total = time.perf_counter() - t0
     return {"ttft_s": meta["ttft_s"], "engine_total_s": meta["total_s"], "wall_first_chunk_s": first_chunk,
             "wall_total_s": total, "prompt_tokens": meta["prompt_tokens"], "reused_tokens": meta["reused_tokens"],
-            "recomputed_tokens": meta["recomputed_tokens"], "cache_misses": meta["cache_misses"]}
+            "recomputed_tokens": meta["recomputed_tokens"], "prefix_cached_tokens": meta["prefix_cached_tokens"],
+            "cache_misses": meta["cache_misses"]}
 
 
 TIMES = ("ttft_s", "wall_first_chunk_s", "wall_total_s")
@@ -351,7 +362,15 @@ TIMES = ("ttft_s", "wall_first_chunk_s", "wall_total_s")
 
 def second_ask_study(engine: FusionEngine, rows: Sequence[BenchRow], contexts: Sequence[Sequence[str]], root: Path,
                      args: argparse.Namespace) -> dict[str, Any]:
-    """The same question over the same retrieved passages asked twice of a model with a fresh learned directory."""
+    """The same question over the same retrieved passages asked twice of a model with a fresh learned directory.
+
+    With the engine's prefix cache, it is emptied before every ask but the second, so that only the
+    pair's first ask is kept when the second comes (what a user asking twice meets).
+    """
+    def forget() -> None:
+        if engine.kept_prefixes is not None:
+            engine.kept_prefixes.clear()
+
     def model(name: str) -> ChatFusionRAG:
         return ChatFusionRAG(engine=engine, max_tokens=args.answer_tokens, learned_dir=str(root / name))
 
@@ -359,6 +378,7 @@ def second_ask_study(engine: FusionEngine, rows: Sequence[BenchRow], contexts: S
     warm = model("warm-up")
     for llm in (warm, warm, off):
         timed_ask(llm, tutorial_messages(rows[0].question, contexts[0]))
+    forget()
     pairs = []
     for rnd in range(args.rounds):
         shift = rnd % len(rows)
@@ -366,8 +386,11 @@ def second_ask_study(engine: FusionEngine, rows: Sequence[BenchRow], contexts: S
             llm = model(f"round{rnd}-q{q}")
             messages = tutorial_messages(rows[q].question, contexts[q])
             # NOTE: the same messages asked of a model that learns nothing, before or after the pair in turn
+            forget()
             before = timed_ask(off, messages) if j % 2 == 0 else None
+            forget()
             first, second = timed_ask(llm, messages), timed_ask(llm, messages)
+            forget()
             learn_off = before if before is not None else timed_ask(off, messages)
             pairs.append({"round": rnd, "question": q, "first": first, "second": second, "learn_off": learn_off,
                           **{f"{t}_ratio": second[t] / first[t] for t in TIMES},
@@ -428,8 +451,8 @@ def quartiles(xs: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "q1": q[0], "q3": q[2], "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def goals(quality: Mapping[str, Any], second_ask: Mapping[str, Any], overhead: Mapping[str, Any],
-          ratios: Sequence[float]) -> dict[str, Any]:
+def goals(quality: Mapping[str, Any], second_ask: Mapping[str, Any], second_ask_product: Mapping[str, Any],
+          overhead: Mapping[str, Any], ratios: Sequence[float]) -> dict[str, Any]:
     """The issue's three goals, each with the figure it is judged on."""
     out: dict[str, Any] = {}
     for mode, q in quality.items():
@@ -438,7 +461,9 @@ def goals(quality: Mapping[str, Any], second_ask: Mapping[str, Any], overhead: M
             out[f"quality_{mode}@{ratio:g}"] = {"learned_over_cacheblend_kl_mean": value, "goal": "<= 0.5",
                                                 "met": value is not None and value <= 0.5}
     ttft = second_ask["summary"]["ttft_s_ratio"]["median"]
-    out["second_ask_ttft"] = {"median_ratio": ttft, "goal": "<= 0.45", "met": ttft <= 0.45}
+    out["second_ask_ttft_learned_spans"] = {"median_ratio": ttft, "goal": "<= 0.45", "met": ttft <= 0.45}
+    ttft = second_ask_product["summary"]["ttft_s_ratio"]["median"]
+    out["second_ask_ttft_shared_documents"] = {"median_ratio": ttft, "goal": "<= 0.45", "met": ttft <= 0.45}
     pct = 100 * (overhead["summary"]["ttft_s_ratio"]["median"] - 1)
     out["overhead_ttft"] = {"median_paired_pct": pct, "goal": "<= 3%", "met": pct <= 3}
     return out

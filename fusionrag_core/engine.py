@@ -712,7 +712,8 @@ class FusionEngine:
         # NOTE: a full recompute (and full attention) must equal a plain prefill, so it continues only
         # exact K/V: a kept turn's question and answer attended to the approximate chunk K/V of its time
         full_recompute = not use_prefix or name == "all" or select_config.ratio >= 1.0
-        kept, n = self._kept_head(prompt, lookup, exact_only=full_recompute)
+        kept, n, repeat = self._kept_head(prompt, lookup, exact_only=full_recompute,
+                                          selection=(name, self._ratio_of(name, select_config)))
         kept_runs: tuple[ReusedRun, ...] = ()
         if kept is not None:
             kept_runs = tuple(dataclasses.replace(r, end=min(r.end, n)) for r in kept.runs if r.start < n)
@@ -742,7 +743,7 @@ class FusionEngine:
             stitched_prompt = FusionPrompt(prompt.prefix[:0], (), prompt.token_ids())
             st = stitch(self.decoder, stitched_prompt, None, lookup, extra_capacity=sampling.max_new_tokens)
             prefilled, prefix_cached, exact_base, budget_base = prompt.num_tokens, 0, 0, 0
-        budget = min(select_config.budget(budget_base), st.num_reused_tokens)
+        budget = 0 if repeat else min(select_config.budget(budget_base), st.num_reused_tokens)
         selected = select_fn(st, budget, select_config)
         # NOTE: the new question's selection is a fresh request's; what an earlier one already
         # recomputed is continued as kept, and only the rest of it is computed now
@@ -757,7 +758,7 @@ class FusionEngine:
             selected_tokens=num_selected,
             prefilled_tokens=prefilled + recomputed - num_selected if use_prefix or kept is not None else prefilled,
             selector=name,
-            ratio=select_config.ratio if name not in ("none", "all", "full_attention") else None,
+            ratio=self._ratio_of(name, select_config),
             prefix_cached_tokens=prefix_cached,
             selected=selected,
             stitched_prompt=stitched_prompt,
@@ -766,19 +767,45 @@ class FusionEngine:
             exact_base=exact_base,
         )
 
-    def _kept_head(self, prompt: FusionPrompt, lookup: CacheLookup, *,
-                   exact_only: bool) -> tuple[KeptPrefix | None, int]:
-        """The kept prefix this prompt continues and how many of its tokens (all but the last at most;
-        `exact_only`: within the entry's exact head), or (None, 0)."""
-        if self.kept_prefixes is None:
-            return None, 0
-        ids = prompt.token_ids()
-        found = self.kept_prefixes.match(ids, prompt.num_tokens - 1)
-        if found is None:
-            return None, 0
-        kept, n = found
-        n = min(n, kept.exact_tokens) if exact_only else verified_head(prompt, kept, n, lookup)
-        return (kept, n) if n >= self.kept_prefixes.config.min_tokens else (None, 0)
+    @staticmethod
+    def _ratio_of(selector: str, config: SelectConfig) -> float | None:
+        """The ratio a request with `selector` reports (None for those that take no budget)."""
+        return config.ratio if selector not in ("none", "all", "full_attention") else None
+
+    def _kept_head(self, prompt: FusionPrompt, lookup: CacheLookup, *, exact_only: bool,
+                   selection: tuple[str, float | None]) -> tuple[KeptPrefix | None, int, bool]:
+        """The kept prefix this prompt continues, how many of its tokens (all but the last at most;
+        `exact_only`: within the entry's exact head), and whether the prompt repeats the entry's own;
+        or (None, 0, False).
+
+        A later turn (the prompt holds the entry's whole prompt) continues all it shares. Any other
+        prompt continues only with `PrefixCacheConfig.shared_documents`, and only an entry its own
+        `selection` (selector, ratio) computed, so a method compared with another on one prompt never
+        reads the other's K/V: the same prompt again is answered from the K/V as kept (that selection
+        computed them for this very question, so nothing is selected anew: the first time's
+        first-token logits); a prompt sharing the entry's documents, maybe part of its question,
+        continues up to its own question, which its selection reads whole, as a fresh request's does.
+        """
+        cache = self.kept_prefixes
+        if cache is None:
+            return None, 0, False
+        found = cache.match(prompt.token_ids(), prompt.num_tokens - 1)
+        kept, n = found if found is not None else (None, 0)
+        repeat = False
+        if kept is not None:
+            n = min(n, kept.exact_tokens) if exact_only else verified_head(prompt, kept, n, lookup)
+            if n < kept.prompt_tokens:
+                same = (cache.config.shared_documents and not exact_only
+                        and (kept.selector, kept.ratio) == selection)
+                repeat = same and n == prompt.num_tokens - 1 == kept.prompt_tokens - 1
+                if not repeat:
+                    n = min(n, prompt.num_tokens - int(prompt.question.shape[0])) if same else 0
+            # NOTE: a head within the system prefix is the memoised prefix's to serve (with the exact
+            # first chunk after it); a kept entry is continued for shared documents or earlier turns
+            if n < cache.config.min_tokens or (n <= int(prompt.prefix.shape[0]) and n < kept.prompt_tokens):
+                kept, n, repeat = None, 0, False
+        cache.served(n)
+        return kept, n, repeat
 
     def _decoding(self, prepared: Prepared, sampling: SamplingConfig) -> Decoding:
         """The request's decoding, continuing its prepared buffer."""
@@ -819,7 +846,7 @@ class FusionEngine:
             learn(prepared.stitched_prompt, st)
         if self.kept_prefixes is not None:
             kept = kept_from(st, prepared.selected, decoding.ids, self.fingerprint, prepared.kept_runs,
-                             prepared.exact_base)
+                             prepared.exact_base, (prepared.selector, prepared.ratio))
             self.kept_prefixes.keep(kept, replaces=prepared.continued)
         context = prompt.num_tokens - int(prompt.prefix.shape[0]) - int(prompt.question.shape[0])
         generation = Generation(

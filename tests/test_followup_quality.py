@@ -1,10 +1,11 @@
-"""A FusionRAG follow-up continued from its first turn is answered as well as a fresh request
-(issue 26): first-token KL against full attention, over the shared-corpus rows of the benchmark
-dataset (every row's passages in one fused index, as in a deployment).
+"""A prompt continued from a kept request is answered as well as a fresh request (issue 26):
+first-token KL against full attention, over the shared-corpus rows of the benchmark dataset (every
+row's passages in one fused index, as in a deployment). Two kinds: a conversation's follow-up, and
+another question over the same documents (`PrefixCacheConfig.shared_documents`).
 
-The follow-up continues the first turn's kept K/V; its question gets a fresh request's query-guided
-selection, and the tokens the first turn already recomputed are not computed again. Skipped when
-the dataset is not next to the checkout (CI has it).
+The prompt continues the kept K/V; its question gets a fresh request's query-guided selection, and
+the tokens the kept request already recomputed are not computed again. Skipped when the dataset is
+not next to the checkout (CI has it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fusionrag_core.query.prompt import QUESTION_TEMPLATE
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.recognise.marks import mark_chunk
 from fusionrag_core.runtime.compat import tokenize_plain
+from fusionrag_core.serve.prefix_cache import PrefixCacheConfig
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "musique_dev.jsonl"
 ROWS = 8
@@ -86,4 +88,31 @@ def test_a_follow_up_is_no_further_from_full_attention_than_a_fresh_request(
         kl_kept.append(first_token_kl(reference.first_token_logits, continued.first_token_logits))
         kl_fresh.append(first_token_kl(reference.first_token_logits, again.first_token_logits))
     # NOTE: per row either may win; over the rows, continuing is no worse
+    assert sum(kl_kept) <= sum(kl_fresh), (kl_kept, kl_fresh)
+
+
+def test_another_question_over_the_same_documents_is_no_further_from_full_attention(
+        default_engine: FusionEngine, corpus: tuple[FusionIndex, list[tuple[str, list[tuple[str, str]]]]]) -> None:
+    """Each row's documents asked the next row's question (no question repeats), with
+    `PrefixCacheConfig.shared_documents`."""
+    index, rows = corpus
+    kept = default_engine.with_config(dataclasses.replace(
+        default_engine.config, scheduler=None, prefix_cache=PrefixCacheConfig(shared_documents=True)))
+    fresh = kept.with_config(dataclasses.replace(kept.config, prefix_cache=None))
+
+    def ask(engine: FusionEngine, messages: list[dict[str, str]]) -> Generation:
+        return engine.generate(engine.prompt_from_messages(messages), sampling=SAMPLING, store=index.store)
+
+    kl_kept, kl_fresh = [], []
+    for i, (question, chunks) in enumerate(rows):
+        ask(kept, _messages(kept, question, chunks))
+        messages = _messages(kept, rows[(i + 1) % len(rows)][0], chunks)
+        continued, again = ask(kept, messages), ask(fresh, messages)
+        reference = fresh.full_attention(fresh.prompt_from_messages(messages),
+                                         sampling=SamplingConfig(max_new_tokens=1)).collect()
+        assert continued.prefix_cached_tokens > again.prefix_cached_tokens  # the documents were continued
+        assert 0 < continued.recomputed_tokens < again.recomputed_tokens
+        continued.token_partition()
+        kl_kept.append(first_token_kl(reference.first_token_logits, continued.first_token_logits))
+        kl_fresh.append(first_token_kl(reference.first_token_logits, again.first_token_logits))
     assert sum(kl_kept) <= sum(kl_fresh), (kl_kept, kl_fresh)

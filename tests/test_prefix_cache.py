@@ -2,8 +2,9 @@
 continues from the K/V its earlier turn computed.
 
 What is proven: the cache finds the longest kept head by token blocks and never trusts a hash
-alone; only a prompt holding a kept request's whole prompt continues it (a repeated prompt does
-not); it stays within its byte budget; full attention continued from a kept exact head equals a
+alone; it stays within its byte budget; with `shared_documents`, a repeated prompt is answered
+from its kept K/V with the first ask's first-token logits and a new question over the same
+documents continues them; full attention continued from a kept exact head equals a
 fresh full attention (logits within fp tolerance, greedy tokens equal), on Llama and on a
 sliding-window Gemma 3; a FusionRAG follow-up continued from its first turn recomputes only chunk
 tokens its first turn left as reused (how well it answers: tests/test_followup_quality.py); a full
@@ -51,7 +52,8 @@ def _entry(ids: list[int], nbytes_per_token: int = 8, prompt: int = 4) -> KeptPr
     T = len(ids)
     kv = torch.zeros(1, 1, T, nbytes_per_token // 8)  # fp32: 4 bytes, keys + values
     return KeptPrefix(token_ids=torch.tensor(ids), keys=kv, values=kv.clone(), inexact=torch.zeros(T, dtype=torch.bool),
-                      drift=torch.zeros(T), runs=(), fingerprint="fp", prompt_tokens=prompt, exact_tokens=T)
+                      drift=torch.zeros(T), runs=(), fingerprint="fp", prompt_tokens=prompt, exact_tokens=T,
+                      selector="drift_aware", ratio=0.15)
 
 
 def test_match_finds_the_longest_kept_head_and_compares_tokens() -> None:
@@ -63,11 +65,15 @@ def test_match_finds_the_longest_kept_head_and_compares_tokens() -> None:
     found = cache.match(torch.tensor([*list(range(10)), 99, 99, 5]), limit=12)
     assert found is not None and found[1] == 12  # the limit caps the head
     assert cache.match(torch.tensor([1, 2, 3, 4, 5]), limit=5) is None  # the first block differs
-    assert cache.stats()["prefix_hits"] == 2 and cache.stats()["prefix_misses"] == 1
     cache.keep(_entry([9] * 16, prompt=12))
-    assert cache.match(torch.tensor([9] * 11 + [1]), limit=12) is None  # not the whole kept prompt
-    found = cache.match(torch.tensor([9] * 12 + [1]), limit=13)
-    assert found is not None and found[1] == 12
+    found = cache.match(torch.tensor([9] * 11 + [1]), limit=12)  # inside the kept prompt: the shared head
+    assert found is not None and found[1] == 11
+    assert cache.match(torch.tensor([9] * 3 + [1]), limit=4) is None  # shorter than min_tokens
+    assert cache.stats()["prefix_hits"] == cache.stats()["prefix_misses"] == 0  # the caller counts
+    cache.served(11)
+    cache.served(0)
+    assert cache.stats()["prefix_hits"] == cache.stats()["prefix_misses"] == 1
+    assert cache.stats()["prefix_hit_tokens"] == 11
 
 
 def test_a_hash_never_decides_alone() -> None:
@@ -105,6 +111,13 @@ def engines(default_engine: FusionEngine) -> tuple[FusionEngine, FusionEngine]:
     kept = default_engine.with_config(dataclasses.replace(default_engine.config, prefix_cache=PrefixCacheConfig()))
     fresh = default_engine.with_config(dataclasses.replace(default_engine.config, prefix_cache=None))
     return kept, fresh
+
+
+@pytest.fixture(scope="module")
+def sharing(default_engine: FusionEngine) -> FusionEngine:
+    """An engine whose prefix cache also continues shared documents and repeats (`shared_documents`)."""
+    return default_engine.with_config(dataclasses.replace(
+        default_engine.config, prefix_cache=PrefixCacheConfig(shared_documents=True)))
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +219,55 @@ def test_a_full_recompute_follow_up_equals_full_attention(
     assert full.token_ids == reference.token_ids
     torch.testing.assert_close(full.first_token_logits, reference.first_token_logits, atol=1e-3, rtol=0)
     full.token_partition()
+
+
+def test_the_same_prompt_again_is_answered_from_its_kept_k_v(
+        engines: tuple[FusionEngine, FusionEngine], sharing: FusionEngine, fused: dict[str, ChunkKV]) -> None:
+    """A repeat with the same selection selects nothing anew: only its last token is computed, over
+    the K/V its first ask left, so its first-token logits are the first ask's. Another ratio, or full
+    attention, never reads that entry: each is answered as afresh; so is the repeat without
+    `shared_documents`."""
+    default, _ = engines
+    default.kept_prefixes.clear()  # type: ignore[union-attr]
+    one, _ = _turns(default, CONVERSATIONS[2], None)
+    default.generate(one, sampling=SAMPLING, caches=fused)
+    afresh = default.generate(one, sampling=SAMPLING, caches=fused)
+    assert afresh.prefix_cached_tokens <= int(one.prefix.shape[0]) and afresh.recomputed_tokens > 0
+    kept = sharing
+    kept.kept_prefixes.clear()  # type: ignore[union-attr]
+    first = kept.generate(one, sampling=SAMPLING, caches=fused)
+    again = kept.generate(one, sampling=SAMPLING, caches=fused)
+    assert (again.recomputed_tokens, again.prefilled_tokens) == (0, 1)
+    assert again.prefix_cached_tokens + again.reused_tokens == one.num_tokens - 1
+    assert again.token_ids == first.token_ids
+    torch.testing.assert_close(again.first_token_logits, first.first_token_logits, atol=1e-4, rtol=0)
+    again.token_partition()
+    other = kept.generate(one, sampling=SAMPLING, caches=fused, ratio=0.3)
+    full = kept.full_attention(one, sampling=SAMPLING).collect()
+    for g in (other, full):
+        assert g.prefix_cached_tokens <= int(one.prefix.shape[0])  # at most the memoised system prefix
+        g.token_partition()
+    assert full.prefilled_tokens + full.prefix_cached_tokens == one.num_tokens
+
+
+def test_another_question_over_the_same_documents_continues_them(
+        engines: tuple[FusionEngine, FusionEngine], sharing: FusionEngine, fused: dict[str, ChunkKV]) -> None:
+    """The same system prompt and documents with a new question (`shared_documents`): the documents'
+    K/V are continued (the first question's recompute settled), the new question is prefilled and
+    selects its own."""
+    _, fresh = engines
+    kept = sharing
+    kept.kept_prefixes.clear()  # type: ignore[union-attr]
+    names, question, follow_up = CONVERSATIONS[0]
+    one, _ = _turns(kept, (names, question, follow_up), None)
+    kept.generate(one, sampling=SAMPLING, caches=fused)
+    two, _ = _turns(kept, (names, follow_up, question), None)
+    continued = kept.generate(two, sampling=SAMPLING, caches=fused)
+    again = fresh.generate(two, sampling=SAMPLING, caches=fused)
+    assert continued.prefix_cached_tokens > again.prefix_cached_tokens
+    assert continued.prefilled_tokens == int(two.question.shape[0])
+    assert 0 < continued.recomputed_tokens < again.recomputed_tokens
+    continued.token_partition()
 
 
 def test_a_changed_chunk_cache_ends_the_continued_head(

@@ -49,9 +49,16 @@ def test_learned_spans_study_tiny(tokenizer: PreTrainedTokenizerBase, tmp_path: 
         assert pair["first"]["reused_tokens"] == 0 < pair["second"]["reused_tokens"]
         assert pair["second"]["cache_misses"] == 0 and pair["ttft_s_ratio"] > 0
         assert pair["learn_off"]["reused_tokens"] == 0 and pair["ttft_s_second_over_learn_off"] > 0
+    product = doc["second_ask_shared_documents"]
+    assert len(product["pairs"]) == 2
+    for pair in product["pairs"]:
+        # the second ask repeats the first's prompt: answered from the K/V the first left
+        assert pair["first"]["prefix_cached_tokens"] < pair["second"]["prefix_cached_tokens"]
+        assert pair["second"]["recomputed_tokens"] == 0 and pair["second"]["cache_misses"] == 0
     overhead = doc["overhead"]
     assert len(overhead["pairs"]) == 2 and overhead["summary"]["learned_spans"] > 0
     assert all(p[m]["reused_tokens"] == 0 for p in overhead["pairs"] for m in ("learn_on", "learn_off"))
     assert set(doc["goals"]) == {"quality_retrieved@0.15", "quality_retrieved@1", "quality_gold@0.15",
-                                 "quality_gold@1", "second_ask_ttft", "overhead_ttft"}
+                                 "quality_gold@1", "second_ask_ttft_learned_spans",
+                                 "second_ask_ttft_shared_documents", "overhead_ttft"}
     assert doc["load_before"]["loadavg"] and doc["threads"] >= 1

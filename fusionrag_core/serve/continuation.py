@@ -115,7 +115,7 @@ def settle(st: Stitched, selected: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], fingerprint: str,
-              kept_runs: tuple[ReusedRun, ...], exact_base: int) -> KeptPrefix:
+              kept_runs: tuple[ReusedRun, ...], exact_base: int, selection: tuple[str, float | None]) -> KeptPrefix:
     """The finished request's K/V as a prefix entry: every computed slot (prompt, then the answer tokens
     fed back), which of them are reused chunk tokens never recomputed, and where those came from.
 
@@ -127,6 +127,7 @@ def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], finge
         kept_runs: the runs of the kept prefix it continued (they stay valid: verified at its start).
         exact_base: how many leading slots held exact K/V before its passes ran (the prefix, an exact
             first chunk, a continued entry's exact head).
+        selection: its selector and ratio.
     """
     T = st.buf.length
     inexact = torch.zeros(T, dtype=torch.bool)
@@ -160,7 +161,7 @@ def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], finge
         token_ids=token_ids,
         keys=st.buf.keys[:, :, :T].clone(), values=st.buf.values[:, :, :T].clone(), inexact=inexact, drift=drift,
         runs=tuple(sorted(runs, key=lambda r: r.start)), fingerprint=fingerprint,
-        prompt_tokens=int(st.slot_tokens.shape[0]), exact_tokens=exact,
+        prompt_tokens=int(st.slot_tokens.shape[0]), exact_tokens=exact, selector=selection[0], ratio=selection[1],
     )
 
 

@@ -1,11 +1,10 @@
 """Exact prefix reuse across requests: the K/V a finished request computed, found again by its tokens.
 
-A conversation (or an agent loop) sends the whole growing prompt on every call. Each finished
-request keeps its buffer's K/V (prompt and answer) here; a later prompt that holds its whole prompt
-and goes on (the answer, then a new turn) continues from it, as vLLM's hashed blocks and SGLang's
-radix tree do. A prompt that shares less (the same documents with another question, or the same
-prompt again) is answered afresh: its chunks are reused from the store as usual, and a selector
-compared on one prompt sees no earlier request's K/V.
+A conversation (or an agent loop) sends the whole growing prompt on every call, and a RAG service
+sees the same system prompt and documents again with new questions. Each finished request keeps its
+buffer's K/V (prompt and answer) here; a later prompt that starts with the same tokens continues
+from them, as vLLM's hashed blocks and SGLang's radix tree do (how far, and what its selection then
+reads: `FusionEngine._kept_head`).
 
 Lookup hashes the prompt in blocks of `block_tokens`, each block's hash chained on the previous
 one's, and follows the chain as far as it is known; the entry the last known block points to is
@@ -42,11 +41,16 @@ class PrefixCacheConfig:
         max_bytes: K/V bytes kept in all; the least recently used entries go first.
         block_tokens: tokens per hashed block (the lookup's step; a match may end inside a block).
         min_tokens: shorter matches are not used (continuing costs a copy of the kept K/V).
+        shared_documents: also continue a kept request for a prompt that is not its later turn: the
+            same system prompt and documents with another question (up to that question), or the
+            same prompt again (answered from the kept K/V as they are), when both requests use the
+            same selector and ratio. Off: such a prompt is answered afresh, from the KV store.
     """
 
     max_bytes: int = 1 << 30
     block_tokens: int = 16
     min_tokens: int = 16
+    shared_documents: bool = False
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0:
@@ -89,6 +93,8 @@ class KeptPrefix:
             exact only if every token before it was exact when it was computed (attention is
             causal), so exactness is a head; a token recomputed later is no longer `inexact` (a
             selection candidate) but stays approximate if an earlier token was when it ran.
+        selector, ratio: the selection its request ran (a repeat of its prompt with the same one is
+            answered from its K/V as they are).
     """
 
     token_ids: torch.Tensor
@@ -100,6 +106,8 @@ class KeptPrefix:
     fingerprint: str
     prompt_tokens: int
     exact_tokens: int
+    selector: str
+    ratio: float | None
 
     @property
     def num_tokens(self) -> int:
@@ -125,8 +133,8 @@ class PrefixCache:
 
     def match(self, token_ids: torch.Tensor, limit: int) -> tuple[KeptPrefix, int] | None:
         """The kept entry sharing the longest head with `token_ids` `[T]`, and that head's length
-        (at most `limit`); None unless that head holds the entry's whole prompt (a continuation) and
-        `min_tokens`. Counts a hit or a miss."""
+        (at most `limit`); None when it is shorter than `min_tokens`. Counts nothing: the caller
+        says what it served (`served`), once it has checked the head."""
         ids = token_ids.cpu()
         best: tuple[int, int] | None = None  # (entry id, matched blocks' tokens)
         with self._lock:
@@ -139,14 +147,9 @@ class PrefixCache:
             if entry is not None:
                 self._entries.move_to_end(best[0])  # type: ignore[index]
         if entry is None:
-            self._count(0)
             return None
         n = _shared_head(entry.token_ids, ids, limit)
-        if n < max(self.config.min_tokens, entry.prompt_tokens):
-            self._count(0)
-            return None
-        self._count(n)
-        return entry, n
+        return (entry, n) if n >= self.config.min_tokens else None
 
     def keep(self, entry: KeptPrefix, *, replaces: KeptPrefix | None = None) -> None:
         """Keep `entry` (evicting the least recently used beyond the budget); `replaces`: an entry it
@@ -183,7 +186,8 @@ class PrefixCache:
                     "prefix_evictions": self.evictions, "prefix_entries": len(self._entries),
                     "prefix_bytes": self._bytes}
 
-    def _count(self, tokens: int) -> None:
+    def served(self, tokens: int) -> None:
+        """Count one lookup: a hit that served `tokens` kept tokens, or a miss when 0."""
         with self._lock:
             if tokens:
                 self.hits += 1
