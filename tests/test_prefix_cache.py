@@ -140,6 +140,17 @@ def _turns(engine: FusionEngine, conversation: tuple[list[str], str, str],
     return one, engine.prompt_from_messages(messages, documents=documents)
 
 
+def _first_turn(kept: FusionEngine, conversation: tuple[list[str], str, str],
+                fused: dict[str, ChunkKV]) -> tuple[FusionPrompt, Generation, FusionPrompt]:
+    """On an emptied prefix cache: the first turn's prompt, its FusionRAG answer, the follow-up's prompt."""
+    kept.kept_prefixes.clear()  # type: ignore[union-attr]
+    one, _ = _turns(kept, conversation, None)
+    first = kept.generate(one, sampling=SAMPLING, caches=fused)
+    _, two = _turns(kept, conversation, first)
+    assert two is not None
+    return one, first, two
+
+
 def test_full_attention_continued_equals_full_attention(engines: tuple[FusionEngine, FusionEngine]) -> None:
     kept, fresh = engines
     kept.kept_prefixes.clear()  # type: ignore[union-attr]
@@ -184,11 +195,7 @@ def test_a_follow_up_recomputes_only_what_its_first_turn_did_not(
     tokens the first turn already recomputed count in it but are not computed again, and every
     token it recomputes was one the first turn left as reused."""
     kept, _ = engines
-    kept.kept_prefixes.clear()  # type: ignore[union-attr]
-    one, _ = _turns(kept, CONVERSATIONS[0], None)
-    first = kept.generate(one, sampling=SAMPLING, caches=fused)
-    _, two = _turns(kept, CONVERSATIONS[0], first)
-    assert two is not None
+    one, _, two = _first_turn(kept, CONVERSATIONS[0], fused)
     found = kept.kept_prefixes.match(two.token_ids(), two.num_tokens - 1)  # type: ignore[union-attr]
     assert found is not None
     seen: list[torch.Tensor] = []
@@ -209,11 +216,7 @@ def test_a_full_recompute_follow_up_equals_full_attention(
     """Ratio 1.0 continues only the exact head (the kept question and answer attended to approximate
     chunk K/V), so it still equals a plain prefill."""
     kept, fresh = engines
-    kept.kept_prefixes.clear()  # type: ignore[union-attr]
-    one, _ = _turns(kept, CONVERSATIONS[1], None)
-    first = kept.generate(one, sampling=SAMPLING, caches=fused)
-    _, two = _turns(kept, CONVERSATIONS[1], first)
-    assert two is not None
+    _, _, two = _first_turn(kept, CONVERSATIONS[1], fused)
     full = kept.generate(two, sampling=SAMPLING, caches=fused, ratio=1.0)
     reference = fresh.full_attention(two, sampling=SAMPLING).collect()
     assert full.token_ids == reference.token_ids
@@ -275,12 +278,7 @@ def test_a_changed_chunk_cache_ends_the_continued_head(
     """The second document was re-fused (another neighbour digest) after the first turn: the
     follow-up continues only up to where that chunk starts, and reuses the new cache."""
     kept, _ = engines
-    kept.kept_prefixes.clear()  # type: ignore[union-attr]
-    conversation = CONVERSATIONS[0]
-    one, _ = _turns(kept, conversation, None)
-    first = kept.generate(one, sampling=SAMPLING, caches=fused)
-    _, two = _turns(kept, conversation, first)
-    assert two is not None
+    one, _, two = _first_turn(kept, CONVERSATIONS[0], fused)
     refused = dict(fused, vell=dataclasses.replace(fused["vell"], fused_after="re-fused"))
     continued = kept.generate(two, sampling=SAMPLING, caches=refused)
     start = int(one.prefix.shape[0]) + one.segments[0].num_tokens  # where the "vell" chunk starts
