@@ -33,6 +33,7 @@ from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.server import ServerConfig, create_app
 from fusionrag_integrations.server import command as serve_command
 from fusionrag_integrations.server.config import API_KEY_ENV
+from fusionrag_integrations.server.metrics import ENGINE_STATS
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
 from tests.http_server import running_app
 
@@ -390,6 +391,23 @@ def test_metrics_are_prometheus_text(serve: Serve) -> None:
     assert chat(client, n=2).status_code == 400
     assert metric(client, "fusionrag_errors_total", endpoint="chat", kind="invalid_request_error") == before + 1
     assert metric(client, "fusionrag_requests_total", endpoint="chat", status="400") == 1
+
+
+def test_metrics_export_the_engines_prefix_cache_and_scheduler(serve: Serve, session: CountingSession) -> None:
+    """Every `FusionEngine.stats()` key has its metric, read at the scrape: a repeated conversation's
+    second turn continues the first (a prefix-cache hit), and the decode steps are counted."""
+    client, engine = serve(), session.engine
+    assert set(engine.stats()) <= set(ENGINE_STATS), "a FusionEngine.stats() key has no metric in ENGINE_STATS"
+    hits, steps = metric(client, "fusionrag_prefix_cache_hits_total"), metric(client, "fusionrag_decode_steps_total")
+    first = chat(client, max_tokens=6)
+    assert first.status_code == 200
+    answer = first.json()["choices"][0]["message"]["content"]
+    follow_up = [*USER, {"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+    assert client.post(CHAT, json={"messages": follow_up, "max_tokens": 2, "temperature": 0}).status_code == 200
+    assert metric(client, "fusionrag_prefix_cache_hits_total") == hits + 1
+    assert metric(client, "fusionrag_prefix_cache_hit_tokens_total") > 0
+    assert metric(client, "fusionrag_prefix_cache_bytes") == engine.stats()["prefix_bytes"] > 0
+    assert metric(client, "fusionrag_decode_steps_total") > steps
 
 
 def test_the_servers_selection_settings_reach_every_request(serve: Serve) -> None:

@@ -97,7 +97,7 @@ class _Server:
         self.config = config
         self.name = session.engine.name
         self.admission = Admission(config.max_running, config.max_waiting)
-        self.metrics_ = Metrics()
+        self.metrics_ = Metrics(session.engine.stats)
 
     # ---- small routes --------------------------------------------------------------------------------
     async def health(self) -> dict[str, str]:

@@ -2,25 +2,63 @@
 
 Requests and errors by endpoint and status; TTFT and latency histograms; prompt tokens by where
 their K/V came from (reused, recomputed, prefilled, prefix-cached) and completion tokens; chunk
-cache hits and bytes per tier; the queue (running, waiting). Read at `GET /metrics`.
+cache hits and bytes per tier; the queue (running, waiting); and the engine's own totals
+(`FusionEngine.stats()`: its prefix cache and scheduler), read when scraped. Read at `GET /metrics`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from fusionrag_core.engine import Generation
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_KINDS = ("reused", "recomputed", "prefilled", "prefix_cached")
+# `FusionEngine.stats()` key -> (metric name, help, whether it is a lifetime total)
+ENGINE_STATS: dict[str, tuple[str, str, bool]] = {
+    "prefix_hits": ("fusionrag_prefix_cache_hits", "Prompts continued from a kept request's K/V", True),
+    "prefix_misses": ("fusionrag_prefix_cache_misses", "Prompts that continued no kept request", True),
+    "prefix_hit_tokens": ("fusionrag_prefix_cache_hit_tokens", "Prompt tokens continued from kept K/V", True),
+    "prefix_evictions": ("fusionrag_prefix_cache_evictions", "Kept requests evicted for the byte budget", True),
+    "prefix_entries": ("fusionrag_prefix_cache_entries", "Kept requests held now", False),
+    "prefix_bytes": ("fusionrag_prefix_cache_bytes", "K/V bytes of the kept requests held now", False),
+    "decode_steps": ("fusionrag_decode_steps", "Batched decode steps the engine ran", True),
+    "decode_rows": ("fusionrag_decode_rows", "Requests over all decode steps (/ steps: the mean batch)", True),
+    "running": ("fusionrag_engine_running", "Requests in the engine's running batch now", False),
+    "waiting": ("fusionrag_engine_waiting", "Requests waiting for the engine's batch now", False),
+    "running_kv_bytes": ("fusionrag_engine_running_kv_bytes", "K/V bytes the running requests hold now", False),
+}
+
+
+class EngineCollector(Collector):
+    """`FusionEngine.stats()` as metrics, read at every scrape (the engine keeps the totals)."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, int]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        for key, value in self.stats().items():
+            if key not in ENGINE_STATS:
+                continue  # NOTE: a statistic added to the engine later shows once it is named here
+            name, doc, total = ENGINE_STATS[key]
+            yield CounterMetricFamily(name, doc, value=value) if total else GaugeMetricFamily(name, doc, value=value)
 
 
 class Metrics:
     """The counters a server updates per request; `render()` is the `/metrics` body."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine_stats: Callable[[], Mapping[str, int]] | None = None) -> None:
+        """Args:
+            engine_stats: the engine's `stats` (exported at every scrape), or None.
+        """
         self.registry = CollectorRegistry()
         r = self.registry
+        if engine_stats is not None:
+            r.register(EngineCollector(engine_stats))
         self.requests = Counter("fusionrag_requests", "Requests answered", ["endpoint", "status"], registry=r)
         self.errors = Counter("fusionrag_errors", "Requests that ended in an error", ["endpoint", "kind"], registry=r)
         self.ttft = Histogram("fusionrag_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
@@ -52,4 +90,4 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-__all__ = ["TOKEN_KINDS", "Metrics"]
+__all__ = ["ENGINE_STATS", "TOKEN_KINDS", "EngineCollector", "Metrics"]
