@@ -64,22 +64,23 @@ def _messages(engine: FusionEngine, question: str, chunks: list[tuple[str, str]]
             {"role": "user", "content": context + QUESTION_TEMPLATE.format(question=question)}]
 
 
+def _ask(engine: FusionEngine, index: FusionIndex, messages: list[dict[str, str]]) -> Generation:
+    return engine.generate(engine.prompt_from_messages(messages), sampling=SAMPLING, store=index.store)
+
+
 def test_a_follow_up_is_no_further_from_full_attention_than_a_fresh_request(
         default_engine: FusionEngine, corpus: tuple[FusionIndex, list[tuple[str, list[tuple[str, str]]]]]) -> None:
     index, rows = corpus
     kept = default_engine.with_config(dataclasses.replace(default_engine.config, scheduler=None))
     fresh = kept.with_config(dataclasses.replace(kept.config, prefix_cache=None))
 
-    def ask(engine: FusionEngine, messages: list[dict[str, str]]) -> Generation:
-        return engine.generate(engine.prompt_from_messages(messages), sampling=SAMPLING, store=index.store)
-
     kl_kept, kl_fresh = [], []
     for i, (question, chunks) in enumerate(rows):
         messages = _messages(kept, question, chunks)
-        first = ask(kept, messages)
+        first = _ask(kept, index, messages)
         messages += [{"role": "assistant", "content": first.text},
                      {"role": "user", "content": FOLLOW_UPS[i % len(FOLLOW_UPS)]}]
-        continued, again = ask(kept, messages), ask(fresh, messages)
+        continued, again = _ask(kept, index, messages), _ask(fresh, index, messages)
         reference = fresh.full_attention(fresh.prompt_from_messages(messages),
                                          sampling=SamplingConfig(max_new_tokens=1)).collect()
         assert continued.prefix_cached_tokens >= first.prompt_tokens - first.reused_tokens  # it continued
@@ -100,14 +101,11 @@ def test_another_question_over_the_same_documents_is_no_further_from_full_attent
         default_engine.config, scheduler=None, prefix_cache=PrefixCacheConfig(shared_documents=True)))
     fresh = kept.with_config(dataclasses.replace(kept.config, prefix_cache=None))
 
-    def ask(engine: FusionEngine, messages: list[dict[str, str]]) -> Generation:
-        return engine.generate(engine.prompt_from_messages(messages), sampling=SAMPLING, store=index.store)
-
     kl_kept, kl_fresh = [], []
     for i, (question, chunks) in enumerate(rows):
-        ask(kept, _messages(kept, question, chunks))
+        _ask(kept, index, _messages(kept, question, chunks))
         messages = _messages(kept, rows[(i + 1) % len(rows)][0], chunks)
-        continued, again = ask(kept, messages), ask(fresh, messages)
+        continued, again = _ask(kept, index, messages), _ask(fresh, index, messages)
         reference = fresh.full_attention(fresh.prompt_from_messages(messages),
                                          sampling=SamplingConfig(max_new_tokens=1)).collect()
         assert continued.prefix_cached_tokens > again.prefix_cached_tokens  # the documents were continued

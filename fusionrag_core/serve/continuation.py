@@ -103,13 +103,16 @@ def settle(st: Stitched, selected: torch.Tensor) -> tuple[torch.Tensor, int]:
     settled = st.settled_slots
     if settled.numel() == 0:
         return selected, 0
-    keep = [~torch.isin(s, settled) for s in st.chunk_slots]
-    st.chunk_drift = [None if d is None else d[k] for d, k in zip(st.chunk_drift, keep, strict=True)]
-    st.chunk_slots = [s[k] for s, k in zip(st.chunk_slots, keep, strict=True)]
-    live = [i for i, s in enumerate(st.chunk_slots) if s.numel()]
-    st.chunk_slots = [st.chunk_slots[i] for i in live]
-    st.chunk_drift = [st.chunk_drift[i] for i in live]
-    st.chunk_sources = [st.chunk_sources[i] for i in live]
+    slots: list[torch.Tensor] = []
+    drifts: list[torch.Tensor | None] = []
+    sources: list[tuple[str, str, str] | None] = []
+    for s, d, source in zip(st.chunk_slots, st.chunk_drift, st.chunk_sources, strict=True):
+        keep = ~torch.isin(s, settled)
+        if bool(keep.any()):  # NOTE: a run left with no slot is no reused chunk any more
+            slots.append(s[keep])
+            drifts.append(None if d is None else d[keep])
+            sources.append(source)
+    st.chunk_slots, st.chunk_drift, st.chunk_sources = slots, drifts, sources
     st.settled_slots = settled[:0]
     return selected[~torch.isin(selected, settled.to(selected.device))], int(settled.shape[0])
 
