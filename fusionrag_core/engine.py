@@ -347,7 +347,7 @@ class FusionEngine:
         # starts with it has an exact independent cache for its first chunk.
         self._canonical_prefix = self.layout.prefix_ids(self.config.instruction)
         self.eos_ids = self._eos_ids()
-        self.kept_prefixes = (PrefixCache(self.config.prefix_cache, self.fingerprint)
+        self.kept_prefixes = (PrefixCache(self.config.prefix_cache, self.fingerprint, self.device)
                              if self.config.prefix_cache is not None else None)
         self.scheduler = (Scheduler(self.decoder, self.config.scheduler, self._kv_budget(self.config.scheduler))
                           if self.config.scheduler is not None else None)

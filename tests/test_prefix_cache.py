@@ -80,8 +80,8 @@ def test_a_hash_never_decides_alone() -> None:
     """An entry whose block hashes point at it but whose tokens differ (a forged index) gives no match."""
     cache = PrefixCache(PrefixCacheConfig(block_tokens=4, min_tokens=4), "fp")
     cache.keep(_entry(list(range(8))))
-    ((key, entry),) = cache._entries.items()
-    cache._entries[key] = dataclasses.replace(entry, token_ids=torch.tensor([50] * 8))
+    ((key, entry),) = cache._device.items()
+    cache._device[key] = dataclasses.replace(entry, token_ids=torch.tensor([50] * 8))
     assert cache.match(torch.tensor(list(range(8))), limit=8) is None
 
 
@@ -102,6 +102,33 @@ def test_lru_eviction_keeps_the_budget_and_replaced_entries_go() -> None:
     assert cache.stats()["prefix_entries"] == 2  # c and the continuation of a; a itself is gone
     with pytest.raises(InvalidRequestError, match="another model"):
         cache.keep(dataclasses.replace(longer, fingerprint="other"))
+
+
+def test_the_device_tier_evicts_to_the_host_tier_and_a_match_brings_an_entry_back() -> None:
+    one = _entry(list(range(16)), nbytes_per_token=64).nbytes
+    cache = PrefixCache(PrefixCacheConfig(max_bytes=one, host_bytes=one, block_tokens=4, min_tokens=4), "fp")
+    a, b, c = (_entry([k] * 4 + list(range(12)), 64) for k in (100, 200, 300))
+    cache.keep(a)
+    cache.keep(b)  # a moves to the host tier
+    stats = cache.stats()
+    assert (stats["prefix_entries"], stats["prefix_host_entries"], stats["prefix_demotions"]) == (1, 1, 1)
+    cache.keep(c)  # b moves to the host tier, a is dropped
+    assert cache.match(a.token_ids, limit=16) is None
+    found = cache.match(b.token_ids, limit=16)  # back to the device tier; c goes to the host tier
+    assert found is not None and found[1] == 16 and torch.equal(found[0].keys, b.keys)
+    stats = cache.stats()
+    assert (stats["prefix_promotions"], stats["prefix_demotions"], stats["prefix_evictions"]) == (1, 3, 1)
+    assert stats["prefix_bytes"] <= one and stats["prefix_host_bytes"] <= one
+    assert cache.match(c.token_ids, limit=16) is not None  # served from the host tier in its turn
+    big = _entry([7] * 32, 64)  # larger than the device tier: kept on the host only, served from there
+    roomy = PrefixCache(PrefixCacheConfig(max_bytes=one, host_bytes=4 * one, block_tokens=4, min_tokens=4), "fp")
+    roomy.keep(a)
+    roomy.keep(big)
+    assert roomy.match(big.token_ids, limit=32) is not None and roomy.match(a.token_ids, limit=16) is not None
+    stats = roomy.stats()
+    assert (stats["prefix_entries"], stats["prefix_host_entries"], stats["prefix_evictions"]) == (1, 1, 0)
+    roomy.keep(_entry([8] * 96, 64))  # larger than both tiers: not kept
+    assert roomy.stats()["prefix_evictions"] == 0 and roomy.match(torch.tensor([8] * 96), limit=96) is None
 
 
 # ---- continuing requests -------------------------------------------------------------------------
@@ -222,6 +249,26 @@ def test_a_full_recompute_follow_up_equals_full_attention(
     assert full.token_ids == reference.token_ids
     torch.testing.assert_close(full.first_token_logits, reference.first_token_logits, atol=1e-3, rtol=0)
     full.token_partition()
+
+
+def test_a_follow_up_from_the_host_tier_equals_one_from_the_device_tier(
+        engines: tuple[FusionEngine, FusionEngine], fused: dict[str, ChunkKV], default_engine: FusionEngine) -> None:
+    """An engine whose device tier holds nothing keeps every request in the host tier, and continues
+    a follow-up from there exactly as from the device tier."""
+    kept, _ = engines
+    host = default_engine.with_config(dataclasses.replace(
+        default_engine.config, prefix_cache=PrefixCacheConfig(max_bytes=0, host_bytes=1 << 30)))
+    answers = []
+    for engine in (kept, host):
+        _, _, two = _first_turn(engine, CONVERSATIONS[0], fused)
+        answers.append(engine.generate(two, sampling=SAMPLING, caches=fused))
+    on_device, on_host = answers
+    assert on_host.prefix_cached_tokens == on_device.prefix_cached_tokens > 0
+    assert on_host.token_ids == on_device.token_ids
+    torch.testing.assert_close(on_host.first_token_logits, on_device.first_token_logits, atol=1e-5, rtol=0)
+    stats = host.stats()
+    assert stats["prefix_promotions"] >= 1 and stats["prefix_entries"] == 0 and stats["prefix_host_entries"] >= 1
+    on_host.token_partition()
 
 
 def test_the_same_prompt_again_is_answered_from_its_kept_k_v(

@@ -9,7 +9,12 @@ reads: `FusionEngine._kept_head`).
 Lookup hashes the prompt in blocks of `block_tokens`, each block's hash chained on the previous
 one's, and follows the chain as far as it is known; the entry the last known block points to is
 compared token by token (a hash never decides alone) and the match extended past the last full
-block. Entries are evicted least recently used beyond a byte budget.
+block.
+
+Entries live in two tiers, as chunk caches do (`store.tiered`): on the engine's device within
+`max_bytes`, then in (pinned, with CUDA) host memory within `host_bytes`. The least recently used
+device entry moves to the host tier rather than being dropped; a match on a host entry copies it
+back to the device. On a CPU-only machine both tiers are RAM and the copy is a no-op.
 
 A kept prefix is only as exact as the request that computed it: chunk tokens reused from caches
 and not recomputed are approximations of full attention. An entry records which of its tokens are
@@ -25,7 +30,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import xxhash
@@ -38,23 +43,28 @@ class PrefixCacheConfig:
     """The engine's cache of finished requests' K/V (`EngineConfig.prefix_cache`).
 
     Attributes:
-        max_bytes: K/V bytes kept in all; the least recently used entries go first.
+        max_bytes: K/V bytes kept on the engine's device; beyond it the least recently used entries
+            move to the host tier (or are dropped when it has no room).
         block_tokens: tokens per hashed block (the lookup's step; a match may end inside a block).
         min_tokens: shorter matches are not used (continuing costs a copy of the kept K/V).
         shared_documents: also continue a kept request for a prompt that is not its later turn: the
             same system prompt and documents with another question (up to that question), or the
             same prompt again (answered from the kept K/V as they are), when both requests use the
             same selector and ratio. Off: such a prompt is answered afresh, from the KV store.
+        host_bytes: K/V bytes kept in host memory for entries the device tier evicted (0: none; on a
+            CPU-only machine it adds to `max_bytes` in RAM).
     """
 
     max_bytes: int = 1 << 30
     block_tokens: int = 16
     min_tokens: int = 16
     shared_documents: bool = False
+    host_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_bytes < 0:
-            raise InvalidRequestError(f"PrefixCacheConfig.max_bytes must be >= 0, got {self.max_bytes}")
+        if self.max_bytes < 0 or self.host_bytes < 0:
+            raise InvalidRequestError(f"PrefixCacheConfig.max_bytes and host_bytes must be >= 0, got "
+                                      f"{self.max_bytes} and {self.host_bytes}")
         if self.block_tokens < 1 or self.min_tokens < 1:
             raise InvalidRequestError("PrefixCacheConfig.block_tokens and min_tokens must be >= 1")
 
@@ -117,74 +127,100 @@ class KeptPrefix:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
+    def to(self, device: torch.device, *, pin: bool = False) -> KeptPrefix:
+        """This entry with its K/V on `device` (pinned host memory when `pin`); the same when there."""
+        here = self.keys.device
+        if here.type == device.type and device.index in (None, here.index) and not pin:
+            return self
+        keys, values = self.keys.to(device), self.values.to(device)
+        if pin:
+            keys, values = keys.pin_memory(), values.pin_memory()
+        return replace(self, keys=keys, values=values)
+
 
 class PrefixCache:
-    """Kept prefixes by token blocks, LRU within a byte budget; shared by every thread of an engine."""
+    """Kept prefixes by token blocks, LRU within byte budgets per tier; shared by every thread of an engine.
 
-    def __init__(self, config: PrefixCacheConfig, fingerprint: str) -> None:
+    Args:
+        config: budgets and lookup settings.
+        fingerprint: the model's; an entry of another model is refused.
+        device: the engine's device, where device-tier entries live (a host entry comes back there).
+    """
+
+    def __init__(self, config: PrefixCacheConfig, fingerprint: str, device: torch.device | str = "cpu") -> None:
         self.config = config
         self.fingerprint = fingerprint
-        self._entries: OrderedDict[int, KeptPrefix] = OrderedDict()  # entry id -> entry, LRU first
+        self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"
+        self._device: OrderedDict[int, KeptPrefix] = OrderedDict()  # entry id -> entry, LRU first
+        self._host: OrderedDict[int, KeptPrefix] = OrderedDict()  # entries the device tier evicted
         self._blocks: dict[bytes, int] = {}  # chained block hash -> the newest entry holding that chain
-        self._bytes = 0
+        self._bytes = {"device": 0, "host": 0}
         self._next_id = 0
         self._lock = threading.Lock()
         self.hits = self.misses = self.hit_tokens = self.evictions = 0
+        self.promotions = self.demotions = 0
 
     def match(self, token_ids: torch.Tensor, limit: int) -> tuple[KeptPrefix, int] | None:
         """The kept entry sharing the longest head with `token_ids` `[T]`, and that head's length
-        (at most `limit`); None when it is shorter than `min_tokens`. Counts nothing: the caller
-        says what it served (`served`), once it has checked the head."""
+        (at most `limit`); None when it is shorter than `min_tokens`. A host-tier entry comes back
+        to the device tier. Counts no hit or miss: the caller says what it served (`served`), once
+        it has checked the head."""
         ids = token_ids.cpu()
-        best: tuple[int, int] | None = None  # (entry id, matched blocks' tokens)
         with self._lock:
-            for digest, end in _chain(ids[:limit], self.config.block_tokens):
-                entry_id = self._blocks.get(digest)
-                if entry_id is None:
+            key: int | None = None
+            for digest, _ in _chain(ids[:limit], self.config.block_tokens):
+                known = self._blocks.get(digest)
+                if known is None:
                     break
-                best = (entry_id, end)
-            entry = self._entries.get(best[0]) if best is not None else None
-            if entry is not None:
-                self._entries.move_to_end(best[0])  # type: ignore[index]
+                key = known
+            entry = self._promote(key) if key is not None else None
         if entry is None:
             return None
         n = _shared_head(entry.token_ids, ids, limit)
         return (entry, n) if n >= self.config.min_tokens else None
 
     def keep(self, entry: KeptPrefix, *, replaces: KeptPrefix | None = None) -> None:
-        """Keep `entry` (evicting the least recently used beyond the budget); `replaces`: an entry it
-        continues, dropped now (its tokens are a head of the new one's)."""
+        """Keep `entry` in the device tier (moving the least recently used beyond its budget to the
+        host tier); `replaces`: an entry it continues, dropped now (its tokens are a head of the new one's).
+
+        NOTE: an entry a GPU's device tier evicted while its continuation ran is a host copy by then;
+        it is not found as `replaces` and stays in the host tier until evicted (a duplicate, bounded).
+        """
         if entry.fingerprint != self.fingerprint:
             raise InvalidRequestError("a kept prefix of another model cannot join this engine's prefix cache")
-        if entry.nbytes > self.config.max_bytes or entry.num_tokens < self.config.block_tokens:
+        if entry.num_tokens < self.config.block_tokens or entry.nbytes > max(self.config.max_bytes,
+                                                                              self.config.host_bytes):
             return
         with self._lock:
             if replaces is not None:
-                for key, kept in list(self._entries.items()):
-                    if kept is replaces:
-                        self._drop(key)
+                for tier in ("device", "host"):
+                    for key, kept in list(self._tier(tier).items()):
+                        if kept is replaces:
+                            self._drop(tier, key)
             key = self._next_id
             self._next_id += 1
-            self._entries[key] = entry
-            self._bytes += entry.nbytes
             for digest, _ in _chain(entry.token_ids, self.config.block_tokens):
                 self._blocks[digest] = key
-            while self._bytes > self.config.max_bytes:
-                self._drop(next(iter(self._entries)))
-                self.evictions += 1
+            self._admit(key, entry.to(self.device))
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
+            self._device.clear()
+            self._host.clear()
             self._blocks.clear()
-            self._bytes = 0
+            self._bytes = {"device": 0, "host": 0}
 
     def stats(self) -> dict[str, int]:
-        """Lifetime hits, misses, tokens served, evictions; entries and bytes held now."""
+        """Lifetime hits, misses, tokens served, evictions (entries dropped), demotions (entries put
+        in the host tier) and promotions (host entries a match copied back to the device); entries
+        and bytes held now in each tier."""
         with self._lock:
             return {"prefix_hits": self.hits, "prefix_misses": self.misses, "prefix_hit_tokens": self.hit_tokens,
-                    "prefix_evictions": self.evictions, "prefix_entries": len(self._entries),
-                    "prefix_bytes": self._bytes}
+                    "prefix_demotions": self.demotions, "prefix_promotions": self.promotions,
+                    "prefix_evictions": self.evictions, "prefix_entries": len(self._device),
+                    "prefix_bytes": self._bytes["device"], "prefix_host_entries": len(self._host),
+                    "prefix_host_bytes": self._bytes["host"]}
 
     def served(self, tokens: int) -> None:
         """Count one lookup: a hit that served `tokens` kept tokens, or a miss when 0."""
@@ -195,9 +231,62 @@ class PrefixCache:
             else:
                 self.misses += 1
 
-    def _drop(self, key: int) -> None:
-        entry = self._entries.pop(key)
-        self._bytes -= entry.nbytes
+    def _promote(self, key: int) -> KeptPrefix | None:
+        """The entry `key`, now the most recently used of its tier; a host entry is copied to the
+        device and moves to the device tier (stays on the host when larger than the device tier)."""
+        if key in self._device:
+            self._device.move_to_end(key)
+            return self._device[key]
+        entry = self._host.pop(key, None)
+        if entry is None:
+            return None
+        self._bytes["host"] -= entry.nbytes
+        self.promotions += 1
+        on_device = entry.to(self.device)
+        self._admit(key, on_device if entry.nbytes <= self.config.max_bytes else entry)
+        return on_device
+
+    def _admit(self, key: int, entry: KeptPrefix) -> None:
+        """Put `entry` in the device tier, or straight in the host tier when larger than the device
+        tier's budget; the device tier's least recently used entries beyond it move to the host tier."""
+        if entry.nbytes > self.config.max_bytes:
+            self._to_host(key, entry)
+            return
+        self._device[key] = entry
+        self._bytes["device"] += entry.nbytes
+        while self._bytes["device"] > self.config.max_bytes:
+            old_key, old = self._device.popitem(last=False)
+            self._bytes["device"] -= old.nbytes
+            self._to_host(old_key, old)
+
+    def _to_host(self, key: int, entry: KeptPrefix) -> None:
+        """Keep `entry` as the most recently used host entry, dropping the least recently used beyond
+        the host budget (`entry` itself when larger than it)."""
+        if entry.nbytes > self.config.host_bytes:
+            self._forget(key, entry)
+            return
+        self.demotions += 1
+        self._host[key] = entry.to(torch.device("cpu"), pin=self._pin)
+        self._bytes["host"] += entry.nbytes
+        while self._bytes["host"] > self.config.host_bytes:
+            old_key, old = self._host.popitem(last=False)
+            self._bytes["host"] -= old.nbytes
+            self._forget(old_key, old)
+
+    def _tier(self, tier: str) -> OrderedDict[int, KeptPrefix]:
+        return self._device if tier == "device" else self._host
+
+    def _drop(self, tier: str, key: int) -> None:
+        entry = self._tier(tier).pop(key)
+        self._bytes[tier] -= entry.nbytes
+        self._unlink(key, entry)
+
+    def _forget(self, key: int, entry: KeptPrefix) -> None:
+        """Drop an entry already taken out of its tier (an eviction)."""
+        self.evictions += 1
+        self._unlink(key, entry)
+
+    def _unlink(self, key: int, entry: KeptPrefix) -> None:
         for digest, _ in _chain(entry.token_ids, self.config.block_tokens):
             if self._blocks.get(digest) == key:
                 del self._blocks[digest]
