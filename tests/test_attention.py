@@ -55,16 +55,19 @@ def test_planned_attention_equals_masked_sdpa(window: int | None, heads: int, kv
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (9, 3)])
-@pytest.mark.parametrize(("keys", "queries"), [(300, 280), (300, 2), (129, 128)])
+@pytest.mark.parametrize(("keys", "queries"), [(300, 280), (300, 2), (129, 128), (300, 100)])
 def test_a_causal_suffix_equals_masked_sdpa(heads: int, kv_heads: int, keys: int, queries: int) -> None:
-    """The suffix plan (keys before the queries unmasked, merged with the causal part) is exact."""
+    """The suffix plan is exact both ways: as the keys before the queries unmasked, merged with the
+    causal part, and (few keys before) as one causal call with empty query rows in front."""
     spec = _spec(keys, torch.arange(keys - queries, keys))
     q, k, v = _qkv(queries, keys, heads, kv_heads)
     p = attention.plan(spec, group=heads // kv_heads, dtype=q.dtype)
     assert p.kind == "suffix"
     got, want = attention.attend(q, k, v, p, scale=0.25), attention.reference(q, k, v, spec, scale=0.25)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
-    assert p.scores(queries, keys) == int(spec.allowed().sum())
+    before = keys - queries
+    padding = before * (before + 1) // 2 if attention.padded_suffix(before, queries) else 0
+    assert p.scores(queries, keys) == int(spec.allowed().sum()) + padding
 
 
 def test_plan_kinds() -> None:

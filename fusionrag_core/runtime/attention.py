@@ -182,7 +182,10 @@ class Plan:
     def scores(self, num_queries: int, num_keys: int) -> int:
         """Query-key scores the plan computes per head (padding included): its attention cost."""
         if self.kind == "suffix":
-            return num_queries * (num_keys - num_queries) + num_queries * (num_queries + 1) // 2
+            before = num_keys - num_queries
+            if padded_suffix(before, num_queries):
+                return num_keys * (num_keys + 1) // 2
+            return num_queries * before + num_queries * (num_queries + 1) // 2
         if self.kind != "blocks":
             causal = self.kind == "causal"
             return num_queries * (num_keys + 1) // 2 if causal else num_queries * num_keys
@@ -371,6 +374,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p: Plan, *
                                               scale=scale, enable_gqa=G > 1)[0]
     qg = q.view(H, G, N, D)  # query head h uses kv head h // G
     if p.kind == "suffix":
+        before = int(keys.shape[1]) - N
+        if padded_suffix(before, N):
+            return _padded_causal(q, keys, values, scale)
         return _causal_suffix(qg, keys, values, scale).to(q.dtype).view(Hq, N, D)
     if not p.tails and all(len(b.body) == 1 for b in p.blocks):
         return _bodies_only(qg, keys, values, p, scale).view(Hq, N, D)
@@ -378,6 +384,26 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p: Plan, *
     for t in p.tails:
         _tail_into(qg, keys, values, t, scale, out[:, :, t.r0:t.r1], lse[:, :, t.r0:t.r1])
     return out.to(q.dtype).view(Hq, N, D)
+
+
+def padded_suffix(before: int, queries: int) -> bool:
+    """Whether a causal suffix of `queries` rows after `before` keys runs as one causal call with
+    `before` empty query rows in front: its cost, the corner of scores those rows add, is smaller
+    than the second kernel and merge of `_causal_suffix` when the keys before are few (a prompt
+    computed afresh after its system prefix)."""
+    return before * 4 <= queries
+
+
+def _padded_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of the last N keys' queries `q` `[Hq, N, D]`, causal over all keys `[H, S, D]`: SDPA's
+    causal mask is aligned top-left, so S - N zero query rows in front align it; their outputs are
+    dropped. Returns `[Hq, N, D]`."""
+    Hq, N, D = q.shape
+    before = int(keys.shape[1]) - N
+    padded = torch.cat([q.new_zeros(Hq, before, D), q], dim=1)  # [Hq, S, D]
+    out = F.scaled_dot_product_attention(padded[None], keys[None], values[None], is_causal=True, scale=scale,
+                                         enable_gqa=Hq != keys.shape[0])
+    return out[0, :, before:]
 
 
 def _causal_suffix(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
