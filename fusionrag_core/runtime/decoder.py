@@ -32,7 +32,7 @@ from fusionrag_core.runtime.linear import LayerLinears
 from fusionrag_core.runtime.rope import RopeTable, apply_rope, cos_sin
 
 # NOTE: passes this small attend in one masked call (see `_Pass.plan`).
-DENSE_MAX_QUERIES = 64
+DENSE_MAX_QUERIES = 512
 DENSE_MAX_KEYS = 2048
 
 
@@ -71,11 +71,13 @@ class _Pass:
     def plan(self, window: int | None) -> attention.Plan:
         """The attention plan of layers with this window, built on first use (once per pass).
 
-        On CPU, a pass of a few queries over a short buffer (a query-guided probe: the question
-        alone) attends in ONE masked call (`Plan("dense")`) instead of a body, a tail and their
-        merge: a dozen fewer kernels per layer, so fewer parallel regions for a second thread to
-        join. Past `DENSE_MAX_KEYS` keys the unmasked body wins, and one-query passes (decode) have
-        no tail to save. Other devices always take the planned path (the thresholds are CPU ones).
+        On CPU, a pass of up to `DENSE_MAX_QUERIES` queries over a short buffer (a query-guided
+        probe; a recompute pass: the selected chunk tokens and the question) attends in ONE masked
+        call (`Plan("dense")`) instead of bodies, tails and their merges per block of query rows:
+        dozens fewer kernels per layer, so fewer parallel regions for a second thread to join,
+        which costs more than the masked scores the call computes in vain. Past `DENSE_MAX_KEYS`
+        keys the unmasked bodies win, and one-query passes (decode) have no tail to save. Other
+        devices always take the planned path (the thresholds are CPU ones).
         """
         if window not in self._plans:
             spec = self.window_spec(window)

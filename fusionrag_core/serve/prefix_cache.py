@@ -132,10 +132,11 @@ class KeptPrefix:
         here = self.keys.device
         if here.type == device.type and device.index in (None, here.index) and not pin:
             return self
-        keys, values = self.keys.to(device), self.values.to(device)
-        if pin:
-            keys, values = keys.pin_memory(), values.pin_memory()
-        return replace(self, keys=keys, values=values)
+        if pin:  # NOTE: one copy, straight into page-locked memory
+            keys = torch.empty_like(self.keys, device=device, pin_memory=True).copy_(self.keys)
+            values = torch.empty_like(self.values, device=device, pin_memory=True).copy_(self.values)
+            return replace(self, keys=keys, values=values)
+        return replace(self, keys=self.keys.to(device), values=self.values.to(device))
 
 
 class PrefixCache:
