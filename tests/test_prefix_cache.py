@@ -127,6 +127,7 @@ def test_the_device_tier_evicts_to_the_host_tier_and_a_match_brings_an_entry_bac
     assert roomy.match(big.token_ids, limit=32) is not None and roomy.match(a.token_ids, limit=16) is not None
     stats = roomy.stats()
     assert (stats["prefix_entries"], stats["prefix_host_entries"], stats["prefix_evictions"]) == (1, 1, 0)
+    assert stats["prefix_demotions"] == 1  # put on the host once; a match leaves it there, not moved again
     roomy.keep(_entry([8] * 96, 64))  # larger than both tiers: not kept
     assert roomy.stats()["prefix_evictions"] == 0 and roomy.match(torch.tensor([8] * 96), limit=96) is None
 

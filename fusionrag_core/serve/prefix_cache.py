@@ -238,13 +238,17 @@ class PrefixCache:
         if key in self._device:
             self._device.move_to_end(key)
             return self._device[key]
-        entry = self._host.pop(key, None)
+        entry = self._host.get(key)
         if entry is None:
             return None
-        self._bytes["host"] -= entry.nbytes
         self.promotions += 1
         on_device = entry.to(self.device)
-        self._admit(key, on_device if entry.nbytes <= self.config.max_bytes else entry)
+        if entry.nbytes > self.config.max_bytes:  # NOTE: no room on the device: it stays a host entry
+            self._host.move_to_end(key)
+        else:
+            del self._host[key]
+            self._bytes["host"] -= entry.nbytes
+            self._admit(key, on_device)
         return on_device
 
     def _admit(self, key: int, entry: KeptPrefix) -> None:
