@@ -35,7 +35,7 @@ from fusionrag_core.query.bad_blobs import BadBlobs
 from fusionrag_core.query.decoding import Decoding
 from fusionrag_core.query.prefill import prefill_chunk, prefill_chunks, prefill_prefix
 from fusionrag_core.query.prompt import DEFAULT_INSTRUCTION, FusionPrompt, PromptLayout
-from fusionrag_core.query.recompute import recompute
+from fusionrag_core.query.recompute import SparsePass, run_passes, sparse_pass
 from fusionrag_core.query.sampling import Sampler, SamplingConfig, TextAssembler
 from fusionrag_core.query.select import SelectConfig, get_selector
 from fusionrag_core.query.selectors import DEFAULT_SELECTOR
@@ -47,7 +47,7 @@ from fusionrag_core.runtime.decoder import Decoder
 from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.serve.continuation import head_cache, kept_from, reopen, rest_of, settle, verified_head
 from fusionrag_core.serve.prefix_cache import KeptPrefix, PrefixCache, PrefixCacheConfig, ReusedRun
-from fusionrag_core.serve.scheduler import Scheduler, SchedulerConfig
+from fusionrag_core.serve.scheduler import Pending, Scheduler, SchedulerConfig
 from fusionrag_core.store.codec import is_storable_chunk_id
 from fusionrag_core.store.tiered import TieredKVStore, TierStats
 
@@ -677,13 +677,20 @@ class FusionEngine:
         # NOTE: a generator, so nothing runs (and the TTFT clock does not start) until iterated.
         start = time.perf_counter()
 
-        def prepare() -> tuple[Prepared, Decoding, torch.Tensor]:
-            prepared = self._prepare(prompt, sampling, name, select_fn, select_config, lookup,
-                                     use_prefix=use_prefix, in_memory=in_memory)
-            return prepared, self._decoding(prepared, sampling), prepared.first_logits
+        def prepare() -> Pending[Prepared]:
+            last_pass, prepared_from = self._prepare(prompt, sampling, name, select_fn, select_config, lookup,
+                                                     use_prefix=use_prefix, in_memory=in_memory)
+
+            def start(first_logits: torch.Tensor) -> tuple[Prepared, Decoding]:
+                prepared = prepared_from(first_logits)
+                return prepared, self._decoding(prepared, sampling)
+
+            return Pending(last_pass, start)
 
         if self.scheduler is None:
-            prepared, decoding, first_logits = prepare()
+            pending = prepare()
+            first_logits = run_passes(self.decoder, [pending.last_pass])[0]  # [V]
+            prepared, decoding = pending.start(first_logits)
             yield from self._decode_alone(decoding, first_logits)
         else:
             ticket = self.scheduler.submit(prepare, kv_bytes=self.kv_bytes(prompt.num_tokens + sampling.max_new_tokens),
@@ -704,9 +711,10 @@ class FusionEngine:
         *,
         use_prefix: bool,
         in_memory: Container[str],
-    ) -> Prepared:
-        """Request preparation: stitch (a kept prefix, caches re-rotated into one buffer) -> select ->
-        recompute, up to the first generated position's logits."""
+    ) -> tuple[SparsePass, Callable[[torch.Tensor], Prepared]]:
+        """Request preparation: stitch (a kept prefix, caches re-rotated into one buffer) -> select, up
+        to its last pass (the recompute and the question); returns that pass and what makes the
+        `Prepared` request from its logits (the first generated position's)."""
         if use_prefix:
             lookup = prefetch(prompt, lookup, self._loader, inline=in_memory)
         # NOTE: a full recompute (and full attention) must equal a plain prefill, so it continues only
@@ -749,23 +757,21 @@ class FusionEngine:
         # recomputed is continued as kept, and only the rest of it is computed now
         selected, settled = settle(st, selected)
         prefix_cached += settled
-        first_logits, recomputed = recompute(st, selected)
+        last_pass = sparse_pass(st, selected)
         num_selected = int(selected.shape[0])
-        return Prepared(
-            prompt=prompt,
-            stitched=st,
-            first_logits=first_logits,
-            selected_tokens=num_selected,
-            prefilled_tokens=prefilled + recomputed - num_selected if use_prefix or kept is not None else prefilled,
-            selector=name,
-            ratio=self._ratio_of(name, select_config),
-            prefix_cached_tokens=prefix_cached,
-            selected=selected,
-            stitched_prompt=stitched_prompt,
-            kept_runs=kept_runs,
-            continued=kept if kept is not None and n == kept.num_tokens else None,
-            exact_base=exact_base,
-        )
+        if use_prefix or kept is not None:
+            prefilled += last_pass.recomputed - num_selected  # NOTE: forced context: chunks without a cache
+        continued = kept if kept is not None and n == kept.num_tokens else None
+
+        def prepared(first_logits: torch.Tensor) -> Prepared:
+            return Prepared(
+                prompt=prompt, stitched=st, first_logits=first_logits, selected_tokens=num_selected,
+                prefilled_tokens=prefilled, selector=name, ratio=self._ratio_of(name, select_config),
+                prefix_cached_tokens=prefix_cached, selected=selected, stitched_prompt=stitched_prompt,
+                kept_runs=kept_runs, continued=continued, exact_base=exact_base,
+            )
+
+        return last_pass, prepared
 
     @staticmethod
     def _ratio_of(selector: str, config: SelectConfig) -> float | None:
@@ -888,14 +894,15 @@ class FusionEngine:
 
     def stats(self) -> dict[str, int]:
         """Lifetime totals of the engine's shared state: the prefix cache's hits, misses, tokens
-        served, evictions, entries and bytes; the scheduler's decode steps and their rows, and the
-        requests running and waiting now."""
+        served, evictions, entries and bytes; the scheduler's decode steps and their rows, its
+        sparse passes and the requests they carried (packed), and the requests running and waiting now."""
         out: dict[str, int] = {}
         if self.kept_prefixes is not None:
             out.update(self.kept_prefixes.stats())
         if self.scheduler is not None:
             load = self.scheduler.load
             out.update(decode_steps=self.scheduler.steps, decode_rows=self.scheduler.batched_rows,
+                       sparse_passes=self.scheduler.passes, sparse_pass_requests=self.scheduler.packed_requests,
                        running=load["running"], waiting=load["waiting"], running_kv_bytes=load["kv_bytes"])
         return out
 

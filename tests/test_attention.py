@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel
@@ -212,6 +214,41 @@ def test_sparse_recompute_of_a_filled_buffer_equals_a_plain_prefill(arch: str,
     picked = _scattered(160, 30, 0, 4)
     slots = torch.cat([picked, question])
     assert torch.allclose(decoder.prefill(buf, ids[slots], slots), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_packed_last_passes_of_several_requests_equal_their_passes_one_at_a_time(arch: str) -> None:
+    """`prefill_batch` (the scheduler's packed last passes): each request's logits and written K/V
+    equal its own `prefill`, over buffers of other lengths, holes and scattered recomputed slots;
+    one request is `prefill` bit for bit."""
+    decoder = Decoder(_model(arch))
+    g = torch.Generator().manual_seed(3)
+    # (context, recomputed, question) per request: scattered rows past a sliding window, a plain
+    # suffix, a single question row
+    shapes = [(160, 30, 40), (40, 0, 12), (90, 9, 1)]
+    bufs, ids, slots = [], [], []
+    for s, (context, picked, question) in enumerate(shapes):
+        tokens = torch.randint(0, 256, (context + question,), generator=g)
+        buf = decoder.new_buffer(context + question)
+        filled = buf.reserve(torch.arange(context), valid=False)
+        decoder.fill(buf, tokens[:context], filled)
+        buf.valid[filled] = True
+        asked = buf.reserve(torch.arange(context, context + question), valid=False)
+        pass_slots = torch.cat([_scattered(context, picked, 0, s) if picked else asked[:0], asked])
+        bufs.append(buf)
+        ids.append(tokens[pass_slots])
+        slots.append(pass_slots)
+    alone = [copy.deepcopy(b) for b in bufs]
+    want = torch.stack([decoder.prefill(b, t, s) for b, t, s in zip(alone, ids, slots, strict=True)])  # [B, V]
+    got = decoder.prefill_batch(bufs, ids, slots)  # [B, V]
+    assert torch.allclose(got, want, atol=1e-5) and not torch.equal(got[0], got[1])
+    for b, a in zip(bufs, alone, strict=True):
+        assert torch.allclose(b.keys[:, :, :b.length], a.keys[:, :, :a.length], atol=1e-5)
+        assert torch.allclose(b.values[:, :, :b.length], a.values[:, :, :a.length], atol=1e-5)
+    one = copy.deepcopy(alone[0])
+    assert torch.equal(decoder.prefill_batch([one], ids[:1], slots[:1])[0], decoder.prefill(alone[0], ids[0], slots[0]))
+    with pytest.raises(ValueError, match="one \\[N_b\\] token and slot tensor per buffer"):
+        decoder.prefill_batch(bufs, ids[:2], slots)
 
 
 def test_packed_fill_equals_separate_fills() -> None:

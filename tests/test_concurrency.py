@@ -2,9 +2,10 @@
 
 8 threads x 25 greedy requests over two indexes that share one engine, half through the core API
 and half through the LangChain chat model, while a third corpus is ingested with the same
-engine: every answer must equal its serial answer bit for bit (token ids and first-token logits),
-and no document text may become a control token. The two corpora hold one chunk in common whose
-fused caches differ (other neighbours), so a request reading the other index's store shows.
+engine: every answer must equal its serial answer (token ids, and first-token logits up to the
+float rounding of a last pass packed with other requests'), and no document text may become a
+control token. The two corpora hold one chunk in common whose fused caches differ (other
+neighbours), so a request reading the other index's store shows.
 
 Bounded: a tiny random model, 4 new tokens per answer; ~30 s on two busy cores.
 """
@@ -25,6 +26,7 @@ from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_core.query.sampling import SamplingConfig
 from tests.ingest_worker import tiny_engine
+from tests.scheduling import LOGIT_ATOL
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.soak]
 
@@ -89,7 +91,10 @@ def test_soak_two_indexes_one_engine_with_an_ingest_beside(engine: FusionEngine,
             asks[(name, q, "langchain")] = lambda chat=chat, q=q: chat(q)  # type: ignore[misc]
     serial = {key: ask() for key, ask in asks.items()}
     shared_a, shared_b = (serial[(n, QUESTIONS[0], "core")][1] for n in CORPORA)
-    assert not torch.equal(shared_a, shared_b), "the corpora must answer differently, or mix-ups cannot show"
+    # NOTE: a request packed with others differs from serial by float rounding (LOGIT_ATOL); one
+    # answered from the other corpus differs far more
+    apart = float((shared_a - shared_b).abs().max())
+    assert apart > 100 * LOGIT_ATOL, "the corpora must answer differently, or mix-ups cannot show"
 
     keys = sorted(asks)
     wrong: list[str] = []
@@ -114,7 +119,7 @@ def test_soak_two_indexes_one_engine_with_an_ingest_beside(engine: FusionEngine,
                 continue
             want_tokens, want_logits, want_text = serial[key]
             if tokens != want_tokens or text != want_text or (
-                    logits is not None and not torch.equal(logits, want_logits)):  # type: ignore[arg-type]
+                    logits is not None and not torch.allclose(logits, want_logits, rtol=0, atol=LOGIT_ATOL)):  # type: ignore[arg-type]
                 wrong.append(f"{key}: {tokens or text!r} != serial {want_tokens or want_text!r}")
 
     started = time.monotonic()

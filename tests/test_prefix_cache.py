@@ -227,9 +227,9 @@ def test_a_follow_up_recomputes_only_what_its_first_turn_did_not(
     found = kept.kept_prefixes.match(two.token_ids(), two.num_tokens - 1)  # type: ignore[union-attr]
     assert found is not None
     seen: list[torch.Tensor] = []
-    recompute = engine_module.recompute
-    monkeypatch.setattr(engine_module, "recompute",
-                        lambda st, selected: (seen.append(selected.cpu()), recompute(st, selected))[1])
+    sparse_pass = engine_module.sparse_pass
+    monkeypatch.setattr(engine_module, "sparse_pass",
+                        lambda st, selected: (seen.append(selected.cpu()), sparse_pass(st, selected))[1])
     continued = kept.generate(two, sampling=SAMPLING, caches=fused)
     (selected,) = seen
     assert selected.numel() == continued.recomputed_tokens > 0

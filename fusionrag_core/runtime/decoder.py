@@ -180,6 +180,59 @@ class Decoder:
             x = self._mix(i, x, q, p)
         return self._logits(x)
 
+    @torch.inference_mode()
+    def prefill_batch(self, bufs: Sequence[KVBuffer], token_ids: Sequence[torch.Tensor],
+                      slots: Sequence[torch.Tensor]) -> torch.Tensor:
+        """`prefill` of `B` requests in one pass; returns each one's last-token logits `[B, V]` fp32.
+
+        The rows of every request go through each projection and MLP as one product (a product
+        of a few dozen rows on CPU is far from the cores' rate: `benchmarks/pass_packing.py`);
+        each request writes its K/V into its own buffer and attends over it with the plan its
+        pass has alone. A row equals its request's `prefill` up to float rounding (a product
+        of more rows is blocked differently); one request runs `prefill` itself, bit for bit.
+
+        Args:
+            bufs: `B` request buffers (distinct).
+            token_ids: `B` tensors `[N_b]` int64, each request's tokens.
+            slots: `B` tensors `[N_b]`, the slots reserved for them in its buffer.
+        """
+        B = len(bufs)
+        if len(token_ids) != B or len(slots) != B or any(
+                t.shape != s.shape for t, s in zip(token_ids, slots, strict=True)):
+            raise ValueError(f"prefill_batch needs one [N_b] token and slot tensor per buffer: {B} buffers, "
+                             f"{[tuple(t.shape) for t in token_ids]} tokens, {[tuple(s.shape) for s in slots]} slots")
+        if B == 1:
+            return self.prefill(bufs[0], token_ids[0], slots[0])[None]
+        passes = [self._pass(buf, s, None) for buf, s in zip(bufs, slots, strict=True)]
+        ends = torch.tensor([int(s.shape[0]) for s in slots]).cumsum(0).tolist()
+        bounds = list(zip([0, *ends[:-1]], ends, strict=True))  # each request's rows in the pass
+        x = self._embed(torch.cat(list(token_ids)))  # [1, N, C], N = sum of N_b
+        for i in range(self.num_layers):
+            qs = self._write_batch(i, x, passes, bounds)  # B x [Hq, N_b, D]
+            if i == self.num_layers - 1:
+                # NOTE: every token's K/V are written; only each request's last output is read
+                x = x[:, [b - 1 for _, b in bounds]]  # [1, B, C]
+                qs, passes = [q[:, -1:] for q in qs], [p.last_row() for p in passes]
+            outs = [attention.attend(q, p.buf.keys[i, :, :p.length], p.buf.values[i, :, :p.length],
+                                     p.plan(self.windows[i]), scale=self.scaling)
+                    for q, p in zip(qs, passes, strict=True)]
+            x = self._feed_forward(i, x, torch.cat(outs, dim=1))  # outs: B x [Hq, N_b, D]
+        out = self.parts.lm_head(self.parts.final_norm(x))[0].float()  # [B, V]
+        return self._softcap(out)
+
+    def _write_batch(self, i: int, x: torch.Tensor, passes: Sequence[_Pass],
+                     bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        """Layer `i`'s projections of the packed rows `x` `[1, N, C]`; writes each request's K/V into its
+        buffer and returns its post-RoPE queries `[Hq, N_b, D]`."""
+        q, k, v = self._qkv(i, x)  # [1, Hq, N, D], [1, H, N, D] x 2
+        qs = []
+        for p, (a, b) in zip(passes, bounds, strict=True):
+            cos, sin = p.rope(self.rope[i])
+            qb, kb = apply_rope(q[:, :, a:b], cos, sin), apply_rope(k[:, :, a:b], cos, sin)
+            self._store(i, kb, v[:, :, a:b], p)
+            qs.append(qb[0])
+        return qs
+
     def decode_step(self, buf: KVBuffer, token_id: int, slot: torch.Tensor) -> torch.Tensor:
         """Write one generated token's K/V at `slot` `[1]` and return its `[V]` fp32 logits."""
         return self.prefill(buf, torch.tensor([token_id], device=self.device), slot)

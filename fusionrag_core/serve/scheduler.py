@@ -1,14 +1,16 @@
 """Continuous batching: requests from any number of threads share one loop that runs the model.
 
-Each request is a `prepare` callable (stitch, select, recompute: everything up to the first token's
-logits, run by the loop) returning what its consumer keeps, its `Decoding` and its first logits.
-One round of the loop:
+Each request is a `prepare` callable (stitch, select: everything before its last pass, run by the
+loop) returning a `Pending`: that pass (`SparsePass`: the recomputed tokens and the question), and
+what turns its logits into the consumer's value and the request's `Decoding`. One round of the loop:
 
 1. **admit**: waiting requests are prepared in arrival order while the running set has room
    (`max_running`, the KV byte budget) and this round's prompt tokens stay within
    `prefill_tokens_per_step` (at least one request per round, so a long prompt is never starved);
-   a prepared request picks its first token at once; on an idle engine the round ends there, so
-   its TTFT waits for no decode step;
+   their last passes then run as ONE pass (`run_passes`: the rows share every product, which at a
+   few dozen rows per request is far from the cores' rate, `benchmarks/pass_packing.py`), and each
+   request picks its first token; on an idle engine the round ends there, so its TTFT waits for
+   no decode step;
 2. **step**, when requests were running before the round or none was admitted: one
    `Decoder.decode_batch` over every running request: the rows share one read of the weights,
    which is what a decode step mostly costs; each request picks its own token (its own sampling,
@@ -43,13 +45,29 @@ import torch
 
 from fusionrag_core.errors import InvalidRequestError, OverloadedError
 from fusionrag_core.query.decoding import Decoding
+from fusionrag_core.query.recompute import SparsePass, run_passes
 from fusionrag_core.runtime.decoder import Decoder
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# Computes a request's prompt: (what its consumer keeps, its decoding, the first logits [V]).
-Prepare = Callable[[], tuple[T, Decoding, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Pending(Generic[T]):
+    """A request computed up to its last pass.
+
+    Attributes:
+        last_pass: the pass that yields its first generated position's logits.
+        start: turns those logits `[V]` into what its consumer keeps and its decoding (not yet started).
+    """
+
+    last_pass: SparsePass
+    start: Callable[[torch.Tensor], tuple[T, Decoding]]
+
+
+# Computes a request's prompt up to its last pass.
+Prepare = Callable[[], Pending[T]]
 
 
 @dataclass(frozen=True)
@@ -175,13 +193,15 @@ class Scheduler:
         self._lead = threading.Lock()  # held by the consumer running an iteration
         self.steps = 0  # decode steps run (a batched step counts once)
         self.batched_rows = 0  # rows over all decode steps: / steps = the mean batch
+        self.passes = 0  # last passes of admitted requests run (a packed pass counts once)
+        self.packed_requests = 0  # requests over all those passes: / passes = the mean pack
 
     def submit(self, prepare: Prepare[T], *, kv_bytes: int, prompt_tokens: int) -> Ticket[T]:
         """Queue a request; returns its ticket at once (nothing runs on the caller's thread).
 
         Args:
-            prepare: run by the loop when the request is admitted: computes the prompt and returns
-                `(value, decoding, first_logits [V])`; `value` is handed to the consumer (`Ticket.value`).
+            prepare: run by the loop when the request is admitted: computes the prompt up to its last
+                pass (`Pending`); the value its `start` returns is handed to the consumer (`Ticket.value`).
             kv_bytes: the bytes its KV buffer takes (counted against the budget while it runs).
             prompt_tokens: its prompt's length (counted against `prefill_tokens_per_step`).
 
@@ -244,39 +264,57 @@ class Scheduler:
             others[0].wake()
 
     def _admit(self) -> bool:
-        """Prepare waiting requests while the running set has room (see the module doc); returns
-        whether any was."""
+        """Prepare waiting requests while the running set has room (see the module doc), then run their
+        last passes as one and start them; returns whether any was admitted."""
         tokens = 0
+        pending: list[tuple[Ticket[object], Pending[object]]] = []
         while True:
             with self._wake:
                 while self._waiting and self._waiting[0].cancelled:
                     self._waiting.popleft().finish()
-                if not self._waiting:
-                    return tokens > 0
-                head = self._waiting[0]
-                room = (len(self._running) < self.config.max_running
-                        and self._running_bytes + head.kv_bytes <= self.kv_budget_bytes)
-                if not room or (tokens and tokens + head.prompt_tokens > self.config.prefill_tokens_per_step):
-                    return tokens > 0
+                head = self._waiting[0] if self._waiting else None
+                room = head is not None and (len(self._running) + len(pending) < self.config.max_running
+                                             and self._running_bytes + head.kv_bytes <= self.kv_budget_bytes)
+                if head is None or not room or (tokens and tokens + head.prompt_tokens
+                                                > self.config.prefill_tokens_per_step):
+                    break
                 self._waiting.popleft()
                 self._running_bytes += head.kv_bytes
             tokens += head.prompt_tokens
-            self._start(head)
+            try:
+                pending.append((head, head.prepare()))
+            except Exception as e:  # NOTE: the request's failure is its consumer's, never the loop's
+                self._leave(head, error=e)
+        self._start(pending)
+        return tokens > 0
 
-    def _start(self, ticket: Ticket[object]) -> None:
-        """Prepare one request and pick its first token; it joins the running set unless already done."""
+    def _start(self, pending: list[tuple[Ticket[object], Pending[object]]]) -> None:
+        """Run the prepared requests' last passes as one, pick each one's first token; those not done
+        join the running set."""
+        if not pending:
+            return
         try:
-            ticket.value, decoding, first_logits = ticket.prepare()
-            ticket.decoding = decoding
-            ticket.put(decoding.start(first_logits))
-        except Exception as e:  # NOTE: the request's failure is its consumer's, never the loop's
-            self._leave(ticket, error=e)
+            logits = run_passes(self.decoder, [p.last_pass for _, p in pending])  # [B, V]
+        except Exception as e:
+            log.exception("a packed prefill pass failed: its %d requests fail with it", len(pending))
+            for ticket, _ in pending:
+                self._leave(ticket, error=e)
             return
-        if decoding.finished:
-            self._leave(ticket)
-            return
-        with self._wake:
-            self._running.append(ticket)
+        self.passes += 1
+        self.packed_requests += len(pending)
+        for (ticket, p), first_logits in zip(pending, logits, strict=True):
+            try:
+                ticket.value, decoding = p.start(first_logits)
+                ticket.decoding = decoding
+                ticket.put(decoding.start(first_logits))
+            except Exception as e:
+                self._leave(ticket, error=e)
+                continue
+            if decoding.finished:
+                self._leave(ticket)
+                continue
+            with self._wake:
+                self._running.append(ticket)
 
     def _step(self) -> None:
         """One batched decode step over the running requests."""
@@ -328,4 +366,4 @@ class Scheduler:
             ticket.finish()
 
 
-__all__ = ["Scheduler", "SchedulerConfig", "Ticket"]
+__all__ = ["Pending", "Prepare", "Scheduler", "SchedulerConfig", "Ticket"]
