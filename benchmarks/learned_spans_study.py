@@ -16,7 +16,10 @@ figures, in one run, with one engine:
    learned spans (the engine's default selector), by ingested fused caches (`fusionrag_drift`:
    drift_aware) and by CacheBlend (`cacheblend`: kv_deviation over independent caches), each at
    `--ratios`, plus the no-recompute lower bounds of each kind of cache. First-token KL against
-   full attention and greedy agreement per row, in an order rotated from row to row.
+   full attention and greedy agreement per row, in an order rotated from row to row. With
+   `--learned-drift`, every learned cache also gets a drift of its own before the measured prompt
+   (its K/V in the earlier prompt against the span alone after the system prefix, as
+   `fusionrag_core.query.drift` measures a fused chunk's), which the default selector then reads.
 2. **second ask vs first**: the LangChain v1 two-step chain's messages (a system message with the
    tutorial's instruction and the retrieved passages, then the question, as `create_agent` with a
    `dynamic_prompt` middleware sends them) go to a `ChatFusionRAG` with a fresh learned directory,
@@ -62,6 +65,7 @@ from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest import chroma
 from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_core.query.divergence import first_token_agree, first_token_kl
+from fusionrag_core.query.drift import fusion_drift
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.reuse.learned import content_id
@@ -97,6 +101,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="fresh rows (after the quality slice) asked with learning on and off")
     p.add_argument("--answer-tokens", type=int, default=8, help="max tokens of the timed answers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--learned-drift", action="store_true",
+                   help="give each learned cache a drift of its own (vs the span alone) before the measured prompt")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     args.contexts = [c for c in args.contexts.split(",") if c]
@@ -233,6 +239,8 @@ def quality_study(engine: FusionEngine, index: FusionIndex, rows: Sequence[Bench
         found = sum(1 for s in prompt.segments if s.chunk_id and s.found_by == "content")
         if found != len(context):
             raise SystemExit(f"row {args.skip + i}: {found} of {len(context)} passages were found as learned spans")
+        if args.learned_drift:
+            add_learned_drift(engine, session, [s.chunk_id for s in prompt.segments if s.found_by == "content"])
         runs = methods(engine, index, session, prompt, args.ratios)
         shift = i % len(runs)
         order = list(runs)[shift:] + list(runs)[:shift]
@@ -252,6 +260,18 @@ def quality_study(engine: FusionEngine, index: FusionIndex, rows: Sequence[Bench
         })
         print(f"row {args.skip + i}: " + " ".join(f"{n}={v:.4f}" for n, v in per_row[-1]["kl"].items()), flush=True)
     return {"summary": quality_summary(per_row, args.ratios), "rows": per_row}
+
+
+def add_learned_drift(engine: FusionEngine, session: ReuseSession, chunk_ids: Sequence[str | None]) -> None:
+    """Store the learned caches `chunk_ids` of `session` again with their drift from the span alone
+    after the system prefix (`fusion_drift`): how much their K/V depend on what preceded the span
+    when it was learned."""
+    learned = session.learned()
+    assert learned is not None
+    for chunk_id in filter(None, chunk_ids):
+        kv = learned.store.get(chunk_id, "fused", fingerprint=engine.fingerprint)
+        alone = engine.chunk_cache(kv.token_ids)
+        learned.store.put(chunk_id, dataclasses.replace(kv, drift=fusion_drift(kv, alone, engine.decoder.rope)))
 
 
 def earlier_order(context: Sequence[str], extra: Sequence[str], rng: random.Random) -> list[str]:

@@ -62,3 +62,26 @@ def test_learned_spans_study_tiny(tokenizer: PreTrainedTokenizerBase, tmp_path: 
                                  "quality_gold@1", "second_ask_ttft_learned_spans",
                                  "second_ask_ttft_shared_documents", "overhead_ttft"}
     assert doc["load_before"]["loadavg"] and doc["threads"] >= 1
+
+
+def test_learned_drift_is_the_spans_drift_from_itself_alone(tokenizer: PreTrainedTokenizerBase, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--learned-drift`: a learned span's cache gets `fusion_drift` against the span alone after the
+    system prefix: zero for none of its tokens, since it was learned after another passage."""
+    script = load_script("learned_spans_study", monkeypatch)
+    engine = tiny_engine(tokenizer)
+    session = script.ReuseSession(engine, None, script.ReuseConfig(learned_dir=tmp_path / "learned"))
+    one = script.RequestOptions(sampling=script.SamplingConfig(max_new_tokens=1))
+    passages = ["The keeper of the north light logged forty storms in one winter.",
+                "Gull Point's lighthouse was designed by an engineer from the harbour town."]
+    script.answer(session, script.chat("Answer.", "Who designed it?", passages), one)
+    prompt = session.prompt(script.chat("Answer.", "Who kept it?", passages[::-1]), session.sources(one))
+    ids = [s.chunk_id for s in prompt.segments if s.found_by == "content"]
+    assert len(ids) == 2
+    script.add_learned_drift(engine, session, ids)
+    learned = session.learned()
+    for chunk_id in ids:
+        kv = learned.store.get(chunk_id, "fused", fingerprint=engine.fingerprint)
+        assert kv.drift is not None and kv.drift.shape == (kv.num_tokens,)
+    second = learned.store.get(ids[0], "fused", fingerprint=engine.fingerprint)  # learned after the other passage
+    assert bool((second.drift > 0).all())
