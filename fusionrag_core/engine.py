@@ -37,7 +37,7 @@ from fusionrag_core.query.prefill import prefill_chunk, prefill_chunks, prefill_
 from fusionrag_core.query.prompt import DEFAULT_INSTRUCTION, FusionPrompt, PromptLayout
 from fusionrag_core.query.recompute import SparsePass, run_passes, sparse_pass
 from fusionrag_core.query.sampling import Sampler, SamplingConfig, TextAssembler
-from fusionrag_core.query.select import SelectConfig, get_selector
+from fusionrag_core.query.select import SelectConfig, get_selector, probe_for
 from fusionrag_core.query.selectors import DEFAULT_SELECTOR
 from fusionrag_core.query.stitch import CacheLookup, CacheMiss, Stitched, prefetch, stitch
 from fusionrag_core.query.tools import ToolCallFormat, ToolRequest
@@ -47,7 +47,7 @@ from fusionrag_core.runtime.decoder import Decoder
 from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.serve.continuation import head_cache, kept_from, reopen, rest_of, settle, verified_head
 from fusionrag_core.serve.prefix_cache import KeptPrefix, PrefixCache, PrefixCacheConfig, ReusedRun
-from fusionrag_core.serve.scheduler import Pending, Scheduler, SchedulerConfig
+from fusionrag_core.serve.scheduler import Pending, Scheduler, SchedulerConfig, Staged
 from fusionrag_core.store.codec import is_storable_chunk_id
 from fusionrag_core.store.tiered import TieredKVStore, TierStats
 
@@ -301,6 +301,32 @@ class Prepared:
     kept_runs: tuple[ReusedRun, ...] = ()
     continued: KeptPrefix | None = None
     exact_base: int = 0
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """A request stitched, before its selection (`FusionEngine._stitch`, then `FusionEngine._select`).
+
+    Attributes:
+        prompt, st, stitched_prompt, kept_runs, continued, exact_base: as in `Prepared`.
+        name, select_fn, select_config, budget: the selector and its budget of chunk tokens.
+        prefilled, prefix_cached: prompt tokens computed afresh / served from the prefix cache so far.
+        forced_prefilled: context without a usable cache counts as prefilled (not full attention).
+    """
+
+    prompt: FusionPrompt
+    st: Stitched
+    stitched_prompt: FusionPrompt
+    name: str
+    select_fn: Callable[..., torch.Tensor]
+    select_config: SelectConfig
+    budget: int
+    prefilled: int
+    prefix_cached: int
+    forced_prefilled: bool
+    kept_runs: tuple[ReusedRun, ...]
+    continued: KeptPrefix | None
+    exact_base: int
 
 
 class FusionEngine:
@@ -677,18 +703,23 @@ class FusionEngine:
         # NOTE: a generator, so nothing runs (and the TTFT clock does not start) until iterated.
         start = time.perf_counter()
 
-        def prepare() -> Pending[Prepared]:
-            last_pass, prepared_from = self._prepare(prompt, sampling, name, select_fn, select_config, lookup,
-                                                     use_prefix=use_prefix, in_memory=in_memory)
+        def prepare() -> Staged[Prepared]:
+            stage = self._stitch(prompt, sampling, name, select_fn, select_config, lookup,
+                                 use_prefix=use_prefix, in_memory=in_memory)
 
-            def start(first_logits: torch.Tensor) -> tuple[Prepared, Decoding]:
-                prepared = prepared_from(first_logits)
-                return prepared, self._decoding(prepared, sampling)
+            def select() -> Pending[Prepared]:
+                last_pass, prepared_from = self._select(stage)
 
-            return Pending(last_pass, start)
+                def start(first_logits: torch.Tensor) -> tuple[Prepared, Decoding]:
+                    prepared = prepared_from(first_logits)
+                    return prepared, self._decoding(prepared, sampling)
+
+                return Pending(last_pass, start)
+
+            return Staged(probe_for(name, stage.st, stage.budget, select_config), select)
 
         if self.scheduler is None:
-            pending = prepare()
+            pending = prepare().select()  # NOTE: its selector runs its own probe
             first_logits = run_passes(self.decoder, [pending.last_pass])[0]  # [V]
             prepared, decoding = pending.start(first_logits)
             yield from self._decode_alone(decoding, first_logits)
@@ -700,7 +731,7 @@ class FusionEngine:
             prepared, decoding = ticket.value, ticket.decoding
         yield self._finish(prepared, decoding, start, learn, audit, tiers, fallbacks or {})
 
-    def _prepare(
+    def _stitch(
         self,
         prompt: FusionPrompt,
         sampling: SamplingConfig,
@@ -711,10 +742,9 @@ class FusionEngine:
         *,
         use_prefix: bool,
         in_memory: Container[str],
-    ) -> tuple[SparsePass, Callable[[torch.Tensor], Prepared]]:
-        """Request preparation: stitch (a kept prefix, caches re-rotated into one buffer) -> select, up
-        to its last pass (the recompute and the question); returns that pass and what makes the
-        `Prepared` request from its logits (the first generated position's)."""
+    ) -> _Stage:
+        """A request's first stage: a kept prefix continued, caches re-rotated into one buffer, the
+        selection's budget; `_select` takes it from there."""
         if use_prefix:
             lookup = prefetch(prompt, lookup, self._loader, inline=in_memory)
         # NOTE: a full recompute (and full attention) must equal a plain prefill, so it continues only
@@ -751,24 +781,37 @@ class FusionEngine:
             stitched_prompt = FusionPrompt(prompt.prefix[:0], (), prompt.token_ids())
             st = stitch(self.decoder, stitched_prompt, None, lookup, extra_capacity=sampling.max_new_tokens)
             prefilled, prefix_cached, exact_base, budget_base = prompt.num_tokens, 0, 0, 0
-        budget = 0 if repeat else min(select_config.budget(budget_base), st.num_reused_tokens)
-        selected = select_fn(st, budget, select_config)
+        return _Stage(
+            prompt=prompt, st=st, stitched_prompt=stitched_prompt, name=name, select_fn=select_fn,
+            select_config=select_config,
+            budget=0 if repeat else min(select_config.budget(budget_base), st.num_reused_tokens),
+            prefilled=prefilled, prefix_cached=prefix_cached, forced_prefilled=use_prefix or kept is not None,
+            kept_runs=kept_runs, continued=kept if kept is not None and n == kept.num_tokens else None,
+            exact_base=exact_base,
+        )
+
+    def _select(self, stage: _Stage) -> tuple[SparsePass, Callable[[torch.Tensor], Prepared]]:
+        """A request's second stage: select, up to its last pass (the recompute and the question);
+        returns that pass and what makes the `Prepared` request from its logits (the first
+        generated position's)."""
+        st = stage.st
+        selected = stage.select_fn(st, stage.budget, stage.select_config)
         # NOTE: the new question's selection is a fresh request's; what an earlier one already
         # recomputed is continued as kept, and only the rest of it is computed now
         selected, settled = settle(st, selected)
-        prefix_cached += settled
         last_pass = sparse_pass(st, selected)
         num_selected = int(selected.shape[0])
-        if use_prefix or kept is not None:
+        prefilled = stage.prefilled
+        if stage.forced_prefilled:
             prefilled += last_pass.recomputed - num_selected  # NOTE: forced context: chunks without a cache
-        continued = kept if kept is not None and n == kept.num_tokens else None
 
         def prepared(first_logits: torch.Tensor) -> Prepared:
             return Prepared(
-                prompt=prompt, stitched=st, first_logits=first_logits, selected_tokens=num_selected,
-                prefilled_tokens=prefilled, selector=name, ratio=self._ratio_of(name, select_config),
-                prefix_cached_tokens=prefix_cached, selected=selected, stitched_prompt=stitched_prompt,
-                kept_runs=kept_runs, continued=continued, exact_base=exact_base,
+                prompt=stage.prompt, stitched=st, first_logits=first_logits, selected_tokens=num_selected,
+                prefilled_tokens=prefilled, selector=stage.name, ratio=self._ratio_of(stage.name, stage.select_config),
+                prefix_cached_tokens=stage.prefix_cached + settled, selected=selected,
+                stitched_prompt=stage.stitched_prompt, kept_runs=stage.kept_runs, continued=stage.continued,
+                exact_base=stage.exact_base,
             )
 
         return last_pass, prepared

@@ -251,6 +251,34 @@ def test_packed_last_passes_of_several_requests_equal_their_passes_one_at_a_time
         decoder.prefill_batch(bufs, ids[:2], slots)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_packed_probes_of_several_requests_equal_their_probes_one_at_a_time(arch: str) -> None:
+    decoder = Decoder(_model(arch))
+    g = torch.Generator().manual_seed(5)
+    bufs, ids, slots = [], [], []
+    for context, question in [(150, 12), (30, 5), (70, 1)]:
+        tokens = torch.randint(0, 256, (context + question,), generator=g)
+        buf = decoder.new_buffer(context + question)
+        filled = buf.reserve(torch.arange(context), valid=False)
+        decoder.fill(buf, tokens[:context], filled)
+        buf.valid[filled] = True
+        bufs.append(buf)
+        ids.append(tokens[context:])
+        slots.append(buf.reserve(torch.arange(context, context + question), valid=False))
+    weights = [torch.linspace(0.1, 1.0, 12), None, torch.ones(1)]
+    alone = [copy.deepcopy(b) for b in bufs]
+    want = [decoder.probe(b, t, s, layers=(1, 2), weights=w) for b, t, s, w in zip(alone, ids, slots, weights,
+                                                                                    strict=True)]
+    got = decoder.probe_batch(bufs, ids, slots, layers=(1, 2), weights=weights)
+    for g_b, w_b in zip(got, want, strict=True):
+        assert sorted(g_b) == [1, 2]
+        for layer in (1, 2):
+            assert torch.allclose(g_b[layer], w_b[layer], atol=1e-5)
+    assert not torch.allclose(got[0][2][:30], got[1][2][:30])  # each request read its own buffer
+    one = decoder.probe_batch(bufs[:1], ids[:1], slots[:1], layers=(2,), weights=weights[:1])[0][2]
+    assert torch.equal(one, decoder.probe(alone[0], ids[0], slots[0], layers=(2,), weights=weights[0])[2])
+
+
 def test_packed_fill_equals_separate_fills() -> None:
     model = _model("gemma3")
     decoder = Decoder(model)

@@ -20,15 +20,9 @@ from fusionrag_core.errors import CacheCorruptError, CacheMismatchError, Invalid
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_core.query.drift import fusion_drift, prompt_drift
+from fusionrag_core.query.probe import probe_layers, question_weights
 from fusionrag_core.query.sampling import SamplingConfig
-from fusionrag_core.query.select import (
-    SelectConfig,
-    _inexact,
-    get_selector,
-    probe_layers,
-    question_attention,
-    question_weights,
-)
+from fusionrag_core.query.select import SelectConfig, _inexact, get_selector, question_attention
 from fusionrag_core.query.stitch import Stitched, stitch
 from fusionrag_core.runtime.kv import ChunkKV
 from fusionrag_core.runtime.rope import shift_keys

@@ -16,7 +16,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.engine import EngineConfig, FusionEngine
-from fusionrag_core.query.select import SelectConfig, get_selector, question_weights
+from fusionrag_core.query.probe import question_weights, run_probes
+from fusionrag_core.query.select import SelectConfig, get_selector, probe_for
 from fusionrag_core.runtime import attention
 from fusionrag_core.runtime import decoder as decoder_module
 from fusionrag_core.runtime.decoder import Decoder
@@ -125,3 +126,25 @@ def test_selectors_pick_what_the_reference_masses_pick(engine: FusionEngine, nam
         st = _stitched(engine, CHUNKS)
         want = get_selector(name)(st, config.budget(st.num_reused_tokens), config)
     assert picked.numel() > 0 and torch.equal(picked, want)
+
+
+@pytest.mark.parametrize("name", ["query_guided", "drift_aware"])
+def test_probes_run_packed_beforehand_are_the_ones_selectors_read(engine: FusionEngine, name: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`probe_for` names the probe a selector will run; `run_probes` runs several requests' probes as
+    one pass and the selectors then read those masses instead of probing, picking what they pick
+    alone (the masses differ only by float rounding)."""
+    config = SelectConfig(ratio=0.2)
+    alone = [_stitched(engine, chunks) for chunks in (CHUNKS, CHUNKS[::-1])]
+    want = [get_selector(name)(st, config.budget(st.num_reused_tokens), config) for st in alone]
+    sts = [_stitched(engine, chunks) for chunks in (CHUNKS, CHUNKS[::-1])]
+    probes = [probe_for(name, st, config.budget(st.num_reused_tokens), config) for st in sts]
+    assert all(p is not None for p in probes)
+    run_probes([p for p in probes if p is not None])
+    assert all(len(st.probed) == 1 for st in sts)
+    with monkeypatch.context() as m:
+        m.setattr(Decoder, "probe", lambda *a, **k: pytest.fail("a selector probed again"))
+        got = [get_selector(name)(st, config.budget(st.num_reused_tokens), config) for st in sts]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert all(not st.probed for st in sts)  # NOTE: taken, not kept: no stale masses for a later selection
+    assert probe_for("kv_deviation", sts[0], 10, config) is None and probe_for(name, sts[0], 0, config) is None

@@ -493,6 +493,38 @@ def test_a_request_failing_in_preparation_fails_alone(
     assert_same_answer(llama_requests[8].answer(llama), llama_references[8], "a request after the failures")
 
 
+@pytest.mark.slow
+def test_packed_passes_that_fail_fall_back_to_one_request_at_a_time(
+    llama: FusionEngine, llama_requests: list[Request], llama_references: list[Generation],
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A packed probe or last pass that fails (say out of memory) is reported, and its requests
+    run their passes alone: every answer still equals the serial one."""
+    probe_batch, prefill_batch = llama.decoder.probe_batch, llama.decoder.prefill_batch
+    packed: list[str] = []
+
+    def refuse_probes(bufs: Sequence[KVBuffer], *args: Any, **kwargs: Any) -> Any:
+        if len(bufs) > 1:
+            packed.append("probe")
+            raise RuntimeError("out of memory (test)")
+        return probe_batch(bufs, *args, **kwargs)
+
+    def refuse_passes(bufs: Sequence[KVBuffer], *args: Any, **kwargs: Any) -> Any:
+        if len(bufs) > 1:
+            packed.append("pass")
+            raise RuntimeError("out of memory (test)")
+        return prefill_batch(bufs, *args, **kwargs)
+
+    monkeypatch.setattr(llama.decoder, "probe_batch", refuse_probes)
+    monkeypatch.setattr(llama.decoder, "prefill_batch", refuse_passes)
+    answers = run_concurrently(lambda r: r.answer(llama), llama_requests[:8], 8)
+    for i, got in enumerate(answers):
+        assert_same_answer(got, llama_references[i], f"request {i}", exact=True)  # NOTE: every pass ran alone
+    assert {"probe", "pass"} <= set(packed), "the requests were never packed: nothing was tested"
+    assert "they probe one at a time" in caplog.text and "they run one at a time" in caplog.text
+    assert idle(llama)
+
+
 # ---- 8. configuration -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(("field", "value"), [
     ("max_running", 0), ("max_running", -1), ("max_waiting", -1), ("kv_budget_bytes", 0),

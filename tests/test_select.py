@@ -9,8 +9,9 @@ from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.engine import EngineConfig, FusionEngine
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.query.probe import probe_layers
 from fusionrag_core.query.sampling import SamplingConfig
-from fusionrag_core.query.select import SELECTORS, SelectConfig, get_selector, probe_layers, question_attention
+from fusionrag_core.query.select import SELECTORS, SelectConfig, get_selector, question_attention
 from fusionrag_core.query.selectors import DEFAULT_SELECTOR, SELECTOR_DESCRIPTIONS
 from fusionrag_core.query.stitch import Stitched, stitch
 from tests.test_engine import ARCHS, CHUNKS, _stitched, independent_caches, prompt_for

@@ -12,12 +12,13 @@ with its one-line description, in the registry `selectors.SELECTOR_DESCRIPTIONS`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.query.probe import Probe, masses, probe_layers
 from fusionrag_core.query.selectors import SELECTOR_DESCRIPTIONS
 from fusionrag_core.query.stitch import Stitched
 
@@ -127,45 +128,6 @@ def select_kv_deviation(st: Stitched, budget: int, config: SelectConfig) -> torc
     return _top(context[reused], deviation, budget)
 
 
-def probe_layers(windows: Sequence[int | None], depths: tuple[float, ...]) -> tuple[int, ...]:
-    """Layer indices at relative `depths` (0 = first layer, 1 = last), shallowest first, deduplicated.
-
-    A depth that lands on a sliding-window layer moves down to the deepest full-attention layer at
-    or below it (when there is one): a sliding layer's question queries cannot see the chunk tokens
-    outside its window, so its attention cannot rank them (Gemma 3 slides 5 layers in 6 with a
-    512-token window). Moving down, not up, keeps the probe as cheap as asked for.
-
-    Args:
-        windows: per layer, its sliding window or None for full attention (`Decoder.windows`).
-    """
-    last = len(windows) - 1
-
-    def full_at_or_below(layer: int) -> int:
-        below = [i for i in range(layer, -1, -1) if windows[i] is None]
-        return below[0] if below else layer  # NOTE: every layer slides (Mistral-style): keep it
-
-    return tuple(sorted({full_at_or_below(round(d * last)) for d in depths}))
-
-
-def question_weights(question_tokens: int, last_share: float | None, device: torch.device) -> torch.Tensor | None:
-    """`[Q]` each question token's weight in the probe's attention sum: `last_share` on the last
-    token, the rest split equally over the others (None: every token 1, the paper's plain sum).
-
-    The answer is generated from the last position on: its query is the one whose reading of the
-    context the first answer token comes from, and the decoding positions after it read the
-    context much as it does. The question's other tokens read it too (their K/V carry what they
-    read into the answer), so they keep a say; in the plain sum the last token has 1/Q of it.
-    """
-    if last_share is None:
-        return None
-    if question_tokens == 1:
-        return torch.ones(1, device=device)
-    rest = (1.0 - last_share) / (question_tokens - 1)
-    weights = torch.full((question_tokens,), rest, device=device)  # [Q]
-    weights[-1] = last_share
-    return weights
-
-
 def question_attention(st: Stitched, depths: tuple[float, ...], *, last_share: float | None = None) -> torch.Tensor:
     """`[R]` the question's attention on each reusable slot, aggregated over the probe layers.
 
@@ -180,10 +142,9 @@ def question_attention(st: Stitched, depths: tuple[float, ...], *, last_share: f
         last_share: the share of the attention taken from the question's last token (see
             `question_weights`); None weighs every question token alike.
     """
-    layers = probe_layers(st.decoder.windows, depths)
-    weights = question_weights(int(st.question_slots.shape[0]), last_share, st.buf.keys.device)
-    masses = st.decoder.probe(st.buf, st.question_ids, st.question_slots, layers=layers, weights=weights)
-    mass = torch.stack([masses[layer] for layer in layers])[:, st.reusable_slots]  # [A, R]
+    probe = Probe(st, probe_layers(st.decoder.windows, depths), last_share)
+    by_layer = masses(probe)
+    mass = torch.stack([by_layer[layer] for layer in probe.layers])[:, st.reusable_slots]  # [A, R]
     mass = mass / mass.sum(dim=1, keepdim=True).clamp_min(1e-30)
     return mass.mean(dim=0)
 
@@ -198,7 +159,8 @@ def select_query_guided(st: Stitched, budget: int, config: SelectConfig) -> torc
     slots = st.reusable_slots
     if budget <= 0 or slots.numel() == 0:
         return slots[:0]
-    return _top(slots, question_attention(st, config.probe_depths or (1.0,)), budget)
+    depths, last_share = PROBED["query_guided"](config)
+    return _top(slots, question_attention(st, depths, last_share=last_share), budget)
 
 
 def _inexact(st: Stitched, slots: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,8 +200,25 @@ def select_drift_aware(st: Stitched, budget: int, config: SelectConfig) -> torch
     """
     if budget <= 0 or st.reusable_slots.numel() == 0:
         return st.reusable_slots[:0]
-    slots, scores = drift_weighted_attention(st, config.probe_depths or (0.75,), config.last_token_share)
+    slots, scores = drift_weighted_attention(st, *PROBED["drift_aware"](config))
     return _top(slots, scores, budget)
+
+
+# The selectors that read the question's attention: name -> (probe depths, last token's share) for a config.
+PROBED: dict[str, Callable[[SelectConfig], tuple[tuple[float, ...], float | None]]] = {
+    "drift_aware": lambda config: (config.probe_depths or (0.75,), config.last_token_share),
+    "query_guided": lambda config: (config.probe_depths or (1.0,), None),
+}
+
+
+def probe_for(name: str, st: Stitched, budget: int, config: SelectConfig) -> Probe | None:
+    """The probe selector `name` will run on `st` with `budget` (None: it runs none), so that a
+    scheduler can run it beforehand with other requests' (`probe.run_probes`); the selector then
+    reads its masses from `st.probed`."""
+    if name not in PROBED or budget <= 0 or st.reusable_slots.numel() == 0:
+        return None
+    depths, last_share = PROBED[name](config)
+    return Probe(st, probe_layers(st.decoder.windows, depths), last_share)
 
 
 # NOTE: derived from the registry, never listed by hand: a name without its `select_<name>`

@@ -84,6 +84,9 @@ class Stitched:
         settled_slots: `[S]` reusable slots continued from a kept prefix whose K/V an earlier
             request already recomputed (`serve.continuation.reopen`): a selector ranks them like
             any, and a partial recompute does not compute them again.
+        probed: masses of probes already run for this request (`query.probe.run_probes`, packed
+            with other requests' by a scheduler), by probe key (`Probe.key`); a selector takes
+            its own out instead of running it.
     """
 
     decoder: Decoder
@@ -100,6 +103,7 @@ class Stitched:
     chunk_drift: list[torch.Tensor | None] = field(default_factory=list)
     chunk_sources: list[tuple[str, str, str] | None] = field(default_factory=list)
     settled_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    probed: dict[tuple[tuple[int, ...], float | None], dict[int, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def reusable_slots(self) -> torch.Tensor:

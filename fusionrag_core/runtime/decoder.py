@@ -204,8 +204,7 @@ class Decoder:
         if B == 1:
             return self.prefill(bufs[0], token_ids[0], slots[0])[None]
         passes = [self._pass(buf, s, None) for buf, s in zip(bufs, slots, strict=True)]
-        ends = torch.tensor([int(s.shape[0]) for s in slots]).cumsum(0).tolist()
-        bounds = list(zip([0, *ends[:-1]], ends, strict=True))  # each request's rows in the pass
+        bounds = _row_bounds(slots)
         x = self._embed(torch.cat(list(token_ids)))  # [1, N, C], N = sum of N_b
         for i in range(self.num_layers):
             qs = self._write_batch(i, x, passes, bounds)  # B x [Hq, N_b, D]
@@ -213,10 +212,7 @@ class Decoder:
                 # NOTE: every token's K/V are written; only each request's last output is read
                 x = x[:, [b - 1 for _, b in bounds]]  # [1, B, C]
                 qs, passes = [q[:, -1:] for q in qs], [p.last_row() for p in passes]
-            outs = [attention.attend(q, p.buf.keys[i, :, :p.length], p.buf.values[i, :, :p.length],
-                                     p.plan(self.windows[i]), scale=self.scaling)
-                    for q, p in zip(qs, passes, strict=True)]
-            x = self._feed_forward(i, x, torch.cat(outs, dim=1))  # outs: B x [Hq, N_b, D]
+            x = self._feed_forward(i, x, self._attend_batch(i, qs, passes))
         out = self.parts.lm_head(self.parts.final_norm(x))[0].float()  # [B, V]
         return self._softcap(out)
 
@@ -232,6 +228,13 @@ class Decoder:
             self._store(i, kb, v[:, :, a:b], p)
             qs.append(qb[0])
         return qs
+
+    def _attend_batch(self, i: int, qs: Sequence[torch.Tensor], passes: Sequence[_Pass]) -> torch.Tensor:
+        """Layer `i`'s attention of each request's queries `[Hq, N_b, D]` over its own buffer, as planned
+        for it alone; returns the outputs side by side, `[Hq, N, D]`."""
+        return torch.cat([attention.attend(q, p.buf.keys[i, :, :p.length], p.buf.values[i, :, :p.length],
+                                           p.plan(self.windows[i]), scale=self.scaling)
+                          for q, p in zip(qs, passes, strict=True)], dim=1)
 
     def decode_step(self, buf: KVBuffer, token_id: int, slot: torch.Tensor) -> torch.Tensor:
         """Write one generated token's K/V at `slot` `[1]` and return its `[V]` fp32 logits."""
@@ -311,6 +314,46 @@ class Decoder:
             if i == top:
                 break  # NOTE: the mass is read from this layer's queries and keys; its output feeds nothing
             x = self._mix(i, x, q, p)
+        return masses
+
+    @torch.inference_mode()
+    def probe_batch(self, bufs: Sequence[KVBuffer], token_ids: Sequence[torch.Tensor], slots: Sequence[torch.Tensor],
+                    *, layers: Sequence[int], weights: Sequence[torch.Tensor | None]) -> list[dict[int, torch.Tensor]]:
+        """`probe` of `B` requests at the same `layers` in one pass; returns each one's masses.
+
+        As in `prefill_batch`, the rows share every product and attend per request; a request's
+        masses equal its own `probe` up to float rounding, and one request runs `probe` itself.
+
+        Args:
+            bufs: `B` request buffers (distinct).
+            token_ids: `B` tensors `[N_b]`, each request's probing tokens (its question).
+            slots: `B` tensors `[N_b]`, their slots in its buffer.
+            layers: the layers whose masses every request reads.
+            weights: per request, `[N_b]` weights of its tokens in the sum, or None (1 each).
+        """
+        B = len(bufs)
+        if len(token_ids) != B or len(slots) != B or len(weights) != B:
+            raise ValueError(f"probe_batch needs tokens, slots and weights per buffer: {B} buffers, "
+                             f"{len(token_ids)} tokens, {len(slots)} slots, {len(weights)} weights")
+        if B == 1:
+            return [self.probe(bufs[0], token_ids[0], slots[0], layers=layers, weights=weights[0])]
+        if not layers or not all(0 <= layer < self.num_layers for layer in layers):
+            raise ValueError(f"attention layers {list(layers)} must be non-empty and in [0, {self.num_layers})")
+        top = max(layers)
+        passes = [self._pass(buf, s, None) for buf, s in zip(bufs, slots, strict=True)]
+        bounds = _row_bounds(slots)
+        x = self._embed(torch.cat(list(token_ids)))  # [1, N, C]
+        masses: list[dict[int, torch.Tensor]] = [{} for _ in range(B)]
+        for i in range(top + 1):
+            qs = self._write_batch(i, x, passes, bounds)  # B x [Hq, N_b, D]
+            if i in layers:
+                for b, (q, p, w) in enumerate(zip(qs, passes, weights, strict=True)):
+                    masses[b][i] = attention.attention_mass(q, p.buf.keys[i, :, :p.length],
+                                                            p.window_spec(self.windows[i]), scale=self.scaling,
+                                                            weights=w)  # [S_b]
+            if i == top:
+                break  # NOTE: the mass is read from this layer's queries and keys; its output feeds nothing
+            x = self._feed_forward(i, x, self._attend_batch(i, qs, passes))
         return masses
 
     @torch.inference_mode()
@@ -404,6 +447,12 @@ class Decoder:
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.parts.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _row_bounds(slots: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Each request's `(first, end)` rows in a pass that packs the requests' `[N_b]` slots in order."""
+    ends = torch.tensor([int(s.shape[0]) for s in slots]).cumsum(0).tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 def _compiled(module: torch.nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:

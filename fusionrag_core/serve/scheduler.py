@@ -1,16 +1,19 @@
 """Continuous batching: requests from any number of threads share one loop that runs the model.
 
-Each request is a `prepare` callable (stitch, select: everything before its last pass, run by the
-loop) returning a `Pending`: that pass (`SparsePass`: the recomputed tokens and the question), and
-what turns its logits into the consumer's value and the request's `Decoding`. One round of the loop:
+A request is computed in stages the loop runs for every request it admits in a round: `prepare`
+stitches it (`Staged`: the probe its selector reads, if any), `Staged.select` selects up to its last
+pass (`Pending`: the `SparsePass` of the recomputed tokens and the question), and `Pending.start`
+turns that pass's logits into the consumer's value and the request's `Decoding`. One round:
 
-1. **admit**: waiting requests are prepared in arrival order while the running set has room
+1. **admit**: waiting requests are stitched in arrival order while the running set has room
    (`max_running`, the KV byte budget) and this round's prompt tokens stay within
    `prefill_tokens_per_step` (at least one request per round, so a long prompt is never starved);
-   their last passes then run as ONE pass (`run_passes`: the rows share every product, which at a
-   few dozen rows per request is far from the cores' rate, `benchmarks/pass_packing.py`), and each
-   request picks its first token; on an idle engine the round ends there, so its TTFT waits for
-   no decode step;
+   their probes run as one pass (`run_probes`: one per set of probe layers), then each selects,
+   then their last passes run as one pass (`run_passes`): the rows share every product, which at
+   a few dozen rows per request is far from the cores' rate (`benchmarks/pass_packing.py`); each
+   request picks its first token. A packed pass that fails is logged, and its requests run their
+   passes alone (a request's failure stays its own).
+   On an idle engine the round ends there, so its TTFT waits for no decode step;
 2. **step**, when requests were running before the round or none was admitted: one
    `Decoder.decode_batch` over every running request: the rows share one read of the weights,
    which is what a decode step mostly costs; each request picks its own token (its own sampling,
@@ -45,6 +48,7 @@ import torch
 
 from fusionrag_core.errors import InvalidRequestError, OverloadedError
 from fusionrag_core.query.decoding import Decoding
+from fusionrag_core.query.probe import Probe, run_probes
 from fusionrag_core.query.recompute import SparsePass, run_passes
 from fusionrag_core.runtime.decoder import Decoder
 
@@ -66,8 +70,22 @@ class Pending(Generic[T]):
     start: Callable[[torch.Tensor], tuple[T, Decoding]]
 
 
-# Computes a request's prompt up to its last pass.
-Prepare = Callable[[], Pending[T]]
+@dataclass(frozen=True)
+class Staged(Generic[T]):
+    """A request stitched, before its selection.
+
+    Attributes:
+        probe: the probe its selector reads (None: it runs none); run before `select`, packed with
+            other requests' (`run_probes`), its masses wait in the request's `Stitched.probed`.
+        select: selects, up to the request's last pass.
+    """
+
+    probe: Probe | None
+    select: Callable[[], Pending[T]]
+
+
+# Stitches a request.
+Prepare = Callable[[], Staged[T]]
 
 
 @dataclass(frozen=True)
@@ -200,8 +218,8 @@ class Scheduler:
         """Queue a request; returns its ticket at once (nothing runs on the caller's thread).
 
         Args:
-            prepare: run by the loop when the request is admitted: computes the prompt up to its last
-                pass (`Pending`); the value its `start` returns is handed to the consumer (`Ticket.value`).
+            prepare: run by the loop when the request is admitted: stitches it (`Staged`); the value
+                its `Pending.start` returns is handed to the consumer (`Ticket.value`).
             kv_bytes: the bytes its KV buffer takes (counted against the budget while it runs).
             prompt_tokens: its prompt's length (counted against `prefill_tokens_per_step`).
 
@@ -264,16 +282,16 @@ class Scheduler:
             others[0].wake()
 
     def _admit(self) -> bool:
-        """Prepare waiting requests while the running set has room (see the module doc), then run their
-        last passes as one and start them; returns whether any was admitted."""
+        """Stitch waiting requests while the running set has room (see the module doc), then probe,
+        select and start them; returns whether any was admitted."""
         tokens = 0
-        pending: list[tuple[Ticket[object], Pending[object]]] = []
+        staged: list[tuple[Ticket[object], Staged[object]]] = []
         while True:
             with self._wake:
                 while self._waiting and self._waiting[0].cancelled:
                     self._waiting.popleft().finish()
                 head = self._waiting[0] if self._waiting else None
-                room = head is not None and (len(self._running) + len(pending) < self.config.max_running
+                room = head is not None and (len(self._running) + len(staged) < self.config.max_running
                                              and self._running_bytes + head.kv_bytes <= self.kv_budget_bytes)
                 if head is None or not room or (tokens and tokens + head.prompt_tokens
                                                 > self.config.prefill_tokens_per_step):
@@ -282,27 +300,37 @@ class Scheduler:
                 self._running_bytes += head.kv_bytes
             tokens += head.prompt_tokens
             try:
-                pending.append((head, head.prepare()))
+                staged.append((head, head.prepare()))
             except Exception as e:  # NOTE: the request's failure is its consumer's, never the loop's
                 self._leave(head, error=e)
-        self._start(pending)
+        self._start(self._select(staged))
         return tokens > 0
+
+    def _select(self, staged: list[tuple[Ticket[object], Staged[object]]]) -> list[tuple[Ticket[object],
+                                                                                        Pending[object]]]:
+        """Run the stitched requests' probes as one pass, then select each up to its last pass."""
+        probes = [s.probe for _, s in staged if s.probe is not None]
+        try:
+            run_probes(probes)
+        except Exception:
+            # NOTE: one request's failure must stay its own: each selector then runs its own probe
+            log.exception("a packed probe pass of %d requests failed: they probe one at a time", len(probes))
+        pending: list[tuple[Ticket[object], Pending[object]]] = []
+        for ticket, s in staged:
+            try:
+                pending.append((ticket, s.select()))
+            except Exception as e:
+                self._leave(ticket, error=e)
+        return pending
 
     def _start(self, pending: list[tuple[Ticket[object], Pending[object]]]) -> None:
         """Run the prepared requests' last passes as one, pick each one's first token; those not done
         join the running set."""
         if not pending:
             return
-        try:
-            logits = run_passes(self.decoder, [p.last_pass for _, p in pending])  # [B, V]
-        except Exception as e:
-            log.exception("a packed prefill pass failed: its %d requests fail with it", len(pending))
-            for ticket, _ in pending:
-                self._leave(ticket, error=e)
-            return
-        self.passes += 1
-        self.packed_requests += len(pending)
-        for (ticket, p), first_logits in zip(pending, logits, strict=True):
+        for (ticket, p), first_logits in zip(pending, self._last_passes(pending), strict=True):
+            if first_logits is None:
+                continue  # NOTE: its pass failed: it has left
             try:
                 ticket.value, decoding = p.start(first_logits)
                 ticket.decoding = decoding
@@ -315,6 +343,22 @@ class Scheduler:
                 continue
             with self._wake:
                 self._running.append(ticket)
+
+    def _last_passes(self, pending: list[tuple[Ticket[object], Pending[object]]]) -> list[torch.Tensor | None]:
+        """Each request's first logits `[V]` from its last pass, the passes run as one; None for a
+        request whose pass failed (it has left, with the error)."""
+        try:
+            logits: list[torch.Tensor | None] = list(run_passes(self.decoder, [p.last_pass for _, p in pending]))
+        except Exception as e:
+            if len(pending) == 1:
+                self._leave(pending[0][0], error=e)
+                return [None]
+            # NOTE: one request's failure must stay its own: each runs its pass alone
+            log.exception("a packed last pass of %d requests failed: they run one at a time", len(pending))
+            return [self._last_passes([one])[0] for one in pending]
+        self.passes += 1
+        self.packed_requests += len(pending)
+        return logits
 
     def _step(self) -> None:
         """One batched decode step over the running requests."""
@@ -366,4 +410,4 @@ class Scheduler:
             ticket.finish()
 
 
-__all__ = ["Pending", "Prepare", "Scheduler", "SchedulerConfig", "Ticket"]
+__all__ = ["Pending", "Prepare", "Scheduler", "SchedulerConfig", "Staged", "Ticket"]
