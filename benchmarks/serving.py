@@ -368,18 +368,26 @@ def run_configuration(base: FusionEngine, corpus: Corpus, method: str, scheduler
         s = Serving(engine, SERVED[method], args.ratio, corpus.index.store, args.sampling)
         warm = Turn(-1, warmup.row, 0)
         run_turn(s, warm, warmup.first_messages(engine.config.instruction), math.inf)
-        steps, rows = (engine.scheduler.steps, engine.scheduler.batched_rows) if engine.scheduler else (0, 0)
+        before = scheduler_counts(engine)
         turns, wall = run_users(s, conversations, users, args.budget_s)
         summary = {"method": method, "scheduler": scheduler, "users": users, "warmup": warm.status,
                    **summarise([t for ts in turns for t in ts], wall)}
         if engine.scheduler is not None:
-            steps, rows = engine.scheduler.steps - steps, engine.scheduler.batched_rows - rows
+            steps, rows, passes, packed = (b - a for a, b in zip(before, scheduler_counts(engine), strict=True))
             summary["decode_steps"], summary["mean_batch"] = steps, round(rows / steps, 2) if steps else None
+            summary["sparse_passes"], summary["mean_pack"] = passes, round(packed / passes, 2) if passes else None
         summary["turns"] = [t.record() for ts in turns for t in ts]
         return summary
     finally:
         # NOTE: its cache-loading threads end now rather than when the engine is collected.
         engine._loader.shutdown(wait=True)
+
+
+def scheduler_counts(engine: FusionEngine) -> tuple[int, int, int, int]:
+    """The engine scheduler's decode steps, their rows, its sparse passes and their requests (0s without one)."""
+    stats = engine.stats()
+    return (stats.get("decode_steps", 0), stats.get("decode_rows", 0), stats.get("sparse_passes", 0),
+            stats.get("sparse_pass_requests", 0))
 
 
 # ---- the summaries ----------------------------------------------------------------------------------------
@@ -507,8 +515,9 @@ def table(doc: Mapping[str, Any]) -> str:
     if doc["note"]:
         lines += [f"Note: {doc['note']}", ""]
     lines += ["| users | method | scheduler | done / planned | cut | not run | errors | req/s | out tok/s "
-              "| TTFT p50 | TTFT p95 | follow-up TTFT p50 | follow-up / first | ITL p50 | ITL p95 | mean batch |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| TTFT p50 | TTFT p95 | follow-up TTFT p50 | follow-up / first | ITL p50 | ITL p95 | mean batch "
+              "| mean pack |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in doc["configurations"]:
         errors = ", ".join(f"{k}: {v}" for k, v in c["errors"].items()) or "0"
         lines.append(
@@ -516,9 +525,11 @@ def table(doc: Mapping[str, Any]) -> str:
             f"{c['requests']} | {c['cut']} | {c['not_run']} | {errors} | {c['requests_per_s']} | "
             f"{c['output_tokens_per_s']} | {_s(c['ttft_first_turn_s']['p50'])} | {_s(c['ttft_first_turn_s']['p95'])} | "
             f"{_s(c['ttft_followup_s']['p50'])} | {_x(c['followups']['ttft_ratio_median'])} | "
-            f"{_s(c['itl_s']['p50'])} | {_s(c['itl_s']['p95'])} | {c.get('mean_batch') or '-'} |")
+            f"{_s(c['itl_s']['p50'])} | {_s(c['itl_s']['p95'])} | {c.get('mean_batch') or '-'} | "
+            f"{c.get('mean_pack') or '-'} |")
     lines += ["", "TTFT: first turns, from building the prompt to the first streamed piece (queueing included); "
-              "ITL: per request, (last piece - first piece) / (tokens - 1).", "", "## Goals", "",
+              "ITL: per request, (last piece - first piece) / (tokens - 1); mean batch: rows per decode step; "
+              "mean pack: requests per sparse pass.", "", "## Goals", "",
               "| goal | value | target | met |", "|---|---|---|---|"]
     for g in doc["goals"]:
         met = "not measured" if g["met"] is None else ("yes" if g["met"] else "no")

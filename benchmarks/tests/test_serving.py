@@ -62,7 +62,9 @@ def test_every_configuration_is_measured(script: ModuleType, tokenizer: PreTrain
         # the follow-up's prompt holds the whole first prompt, then (re-tokenized) the answer, then more
         assert later["prompt_tokens"] > later["first_prompt_and_answer_tokens"] == before["prompt_tokens"] + 4
         assert later["shared_prefix_tokens"] >= before["prompt_tokens"]
-        assert ("mean_batch" in c) == c["scheduler"]
+        assert ("mean_batch" in c) == c["scheduler"] == ("mean_pack" in c)
+        if c["scheduler"]:
+            assert c["sparse_passes"] >= 1 and c["mean_pack"] >= 1
         # the reuse methods serve the passages from their chunk caches; full attention computes them
         if c["method"] != "full_attention":
             plain = next(p for p in configs if (p["method"], p["scheduler"], p["users"]) == (

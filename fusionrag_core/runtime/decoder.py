@@ -205,9 +205,10 @@ class Decoder:
             return self.prefill(bufs[0], token_ids[0], slots[0])[None]
         passes = [self._pass(buf, s, None) for buf, s in zip(bufs, slots, strict=True)]
         bounds = _row_bounds(slots)
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         x = self._embed(torch.cat(list(token_ids)))  # [1, N, C], N = sum of N_b
         for i in range(self.num_layers):
-            qs = self._write_batch(i, x, passes, bounds)  # B x [Hq, N_b, D]
+            qs = self._write_batch(i, x, passes, bounds, tables)  # B x [Hq, N_b, D]
             if i == self.num_layers - 1:
                 # NOTE: every token's K/V are written; only each request's last output is read
                 x = x[:, [b - 1 for _, b in bounds]]  # [1, B, C]
@@ -216,17 +217,21 @@ class Decoder:
         out = self.parts.lm_head(self.parts.final_norm(x))[0].float()  # [B, V]
         return self._softcap(out)
 
-    def _write_batch(self, i: int, x: torch.Tensor, passes: Sequence[_Pass],
-                     bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    def _write_batch(self, i: int, x: torch.Tensor, passes: Sequence[_Pass], bounds: Sequence[tuple[int, int]],
+                     tables: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """Layer `i`'s projections of the packed rows `x` `[1, N, C]`; writes each request's K/V into its
-        buffer and returns its post-RoPE queries `[Hq, N_b, D]`."""
+        buffer and returns its post-RoPE queries `[Hq, N_b, D]`. `tables`: the pass's RoPE cos/sin
+        at every row's position, by table identity (filled on first use)."""
         q, k, v = self._qkv(i, x)  # [1, Hq, N, D], [1, H, N, D] x 2
+        table = self.rope[i]
+        if id(table) not in tables:
+            tables[id(table)] = cos_sin(torch.cat([p.spec.q_pos for p in passes]), table, self.dtype)  # [N, R]
+        cos, sin = tables[id(table)]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # NOTE: elementwise: one call for every row
         qs = []
         for p, (a, b) in zip(passes, bounds, strict=True):
-            cos, sin = p.rope(self.rope[i])
-            qb, kb = apply_rope(q[:, :, a:b], cos, sin), apply_rope(k[:, :, a:b], cos, sin)
-            self._store(i, kb, v[:, :, a:b], p)
-            qs.append(qb[0])
+            self._store(i, k[:, :, a:b], v[:, :, a:b], p)
+            qs.append(q[0, :, a:b])
         return qs
 
     def _attend_batch(self, i: int, qs: Sequence[torch.Tensor], passes: Sequence[_Pass]) -> torch.Tensor:
@@ -261,24 +266,12 @@ class Decoder:
             raise ValueError(f"decode_batch needs one token and one slot per buffer: {B} buffers, "
                              f"token_ids {tuple(token_ids.shape)}, {len(slots)} slots")
         passes = [self._pass(buf, slot, None) for buf, slot in zip(bufs, slots, strict=True)]
-        q_pos = torch.cat([p.spec.q_pos for p in passes])  # [B]
+        bounds = [(b, b + 1) for b in range(B)]
         tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         x = self._embed(token_ids)  # [1, B, C]: the batch is the token axis of one pass
         for i in range(self.num_layers):
-            table = self.rope[i]
-            if id(table) not in tables:
-                tables[id(table)] = cos_sin(q_pos, table, self.dtype)  # [B, R]
-            q, k, v = self._qkv(i, x)
-            cos, sin = tables[id(table)]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [1, Hq, B, D], [1, H, B, D]
-            outs = []
-            for b, p in enumerate(passes):
-                p.buf.keys[i, :, p.slots] = k[0, :, b:b + 1]
-                p.buf.values[i, :, p.slots] = v[0, :, b:b + 1]
-                keys, values = p.buf.keys[i, :, :p.length], p.buf.values[i, :, :p.length]  # [H, S_b, D]
-                outs.append(attention.attend(q[0, :, b:b + 1], keys, values, p.plan(self.windows[i]),
-                                             scale=self.scaling))  # [Hq, 1, D]
-            x = self._feed_forward(i, x, torch.cat(outs, dim=1))
+            qs = self._write_batch(i, x, passes, bounds, tables)  # B x [Hq, 1, D]
+            x = self._feed_forward(i, x, self._attend_batch(i, qs, passes))
         out = self.parts.lm_head(self.parts.final_norm(x))[0].float()  # [B, V]
         return self._softcap(out)
 
@@ -342,10 +335,11 @@ class Decoder:
         top = max(layers)
         passes = [self._pass(buf, s, None) for buf, s in zip(bufs, slots, strict=True)]
         bounds = _row_bounds(slots)
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         x = self._embed(torch.cat(list(token_ids)))  # [1, N, C]
         masses: list[dict[int, torch.Tensor]] = [{} for _ in range(B)]
         for i in range(top + 1):
-            qs = self._write_batch(i, x, passes, bounds)  # B x [Hq, N_b, D]
+            qs = self._write_batch(i, x, passes, bounds, tables)  # B x [Hq, N_b, D]
             if i in layers:
                 for b, (q, p, w) in enumerate(zip(qs, passes, weights, strict=True)):
                     masses[b][i] = attention.attention_mass(q, p.buf.keys[i, :, :p.length],
