@@ -132,6 +132,24 @@ def test_the_device_tier_evicts_to_the_host_tier_and_a_match_brings_an_entry_bac
     assert roomy.stats()["prefix_evictions"] == 0 and roomy.match(torch.tensor([8] * 96), limit=96) is None
 
 
+def test_a_kept_entry_counts_the_memory_it_holds_in_each_tier() -> None:
+    """An entry that views a larger buffer (a finished request's, kept without a copy) counts that
+    buffer; its host copy is compact and counts what it holds, so the tiers' bytes add up."""
+    buf = torch.zeros(1, 1, 20, 8)  # [L, H, S, D]: 16 tokens used of 20 slots
+    view = dataclasses.replace(_entry(list(range(16)), 64), keys=buf[:, :, :16], values=buf.clone()[:, :, :16])
+    assert view.nbytes == 2 * buf.nbytes
+    compact = view.to(torch.device("cpu"), pin=False)
+    assert compact is view  # NOTE: already on the cpu: no copy
+    cache = PrefixCache(PrefixCacheConfig(max_bytes=view.nbytes, host_bytes=4 * view.nbytes, block_tokens=4,
+                                          min_tokens=4), "fp")
+    cache.keep(view)
+    cache.keep(_entry([5] * 16, 64))  # the view moves to the host tier
+    stats = cache.stats()
+    held = {tier: sum(e.nbytes for e in entries.values())
+            for tier, entries in (("device", cache._device), ("host", cache._host))}
+    assert (stats["prefix_bytes"], stats["prefix_host_bytes"]) == (held["device"], held["host"])
+
+
 # ---- continuing requests -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engines(default_engine: FusionEngine) -> tuple[FusionEngine, FusionEngine]:
@@ -215,6 +233,25 @@ def test_a_fusionrag_follow_up_continues_and_recomputes_less_than_a_fresh_one(
         assert continued.prefilled_tokens < again.prefilled_tokens
         continued.token_partition()
     assert kept.stats()["prefix_hits"] >= len(CONVERSATIONS)
+
+
+def test_a_finished_request_is_kept_in_its_own_buffer_unless_it_used_little_of_it(
+        engines: tuple[FusionEngine, FusionEngine], fused: dict[str, ChunkKV]) -> None:
+    """A finished request's K/V become its kept entry without a copy; with a generation budget it
+    mostly did not use, they are copied compact, so an entry never holds much more than its tokens."""
+    kept, _ = engines
+    cache = kept.kept_prefixes
+    assert cache is not None
+    for sampling, in_place in ((SAMPLING, True), (SamplingConfig(max_new_tokens=4096, stop=("\n",)), False)):
+        cache.clear()
+        one, _ = _turns(kept, CONVERSATIONS[0], None)
+        first = kept.generate(one, sampling=sampling, caches=fused)
+        ((entry),) = cache._device.values()
+        T = entry.num_tokens
+        assert one.num_tokens < T <= one.num_tokens + len(first.token_ids)
+        storage = entry.keys.untyped_storage().nbytes()
+        assert (storage > entry.keys.nbytes) == in_place, (storage, entry.keys.nbytes)
+        assert entry.nbytes == 2 * storage and cache.stats()["prefix_bytes"] == entry.nbytes
 
 
 def test_a_follow_up_recomputes_only_what_its_first_turn_did_not(

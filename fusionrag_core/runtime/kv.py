@@ -136,6 +136,10 @@ def neighbours_digest(neighbour_ids: Sequence[str]) -> str:
     return hashlib.sha256(" ".join(neighbour_ids).encode()).hexdigest()[:16]
 
 
+# NOTE: a finished request's buffer is kept as it is (no copy) when its tokens fill this share of it.
+KEEP_IN_PLACE_SHARE = 0.75
+
+
 class KVBuffer:
     """A preallocated, slot-addressed KV cache for one request (batch size 1).
 
@@ -194,6 +198,18 @@ class KVBuffer:
             self.keys[:, :, a:b].copy_(keys)
         self.values[:, :, a:b].copy_(kv.values)
         return slots
+
+    def keep_head(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V `[L, H, n, D]` of the first `n` slots, for the buffer's request once it is finished
+        (nothing writes those slots again): views of the buffer itself when they fill at least
+        `KEEP_IN_PLACE_SHARE` of it, else compact copies, so what keeps them never holds much more
+        memory than `n` slots (the rest of a generation budget it did not use)."""
+        if not 0 < n <= self.length:
+            raise ValueError(f"cannot keep {n} slots of a buffer holding {self.length}")
+        keys, values = self.keys[:, :, :n], self.values[:, :, :n]
+        if n >= KEEP_IN_PLACE_SHARE * self.capacity:
+            return keys, values
+        return keys.clone(), values.clone()
 
     def slice(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K/V `[L, H, T, D]` at `slots`, for storing a chunk's part of a prefill."""

@@ -123,7 +123,8 @@ def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], finge
     fed back), which of them are reused chunk tokens never recomputed, and where those came from.
 
     Args:
-        st: the request's buffer after decoding (slot == position for every slot in use).
+        st: the request's buffer after decoding (slot == position for every slot in use); the
+            entry takes its K/V over (`KVBuffer.keep_head`): nothing may write it afterwards.
         selected: `[K]` slots its selector recomputed.
         answer_ids: the generated tokens (those fed back hold the slots after the prompt).
         fingerprint: the model's.
@@ -160,9 +161,10 @@ def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], finge
     fed = T - int(st.slot_tokens.shape[0])
     assert 0 <= fed <= len(answer_ids), f"{fed} slots after the prompt, {len(answer_ids)} answer tokens"
     token_ids = torch.cat([st.slot_tokens.cpu(), torch.tensor(answer_ids[:fed], dtype=torch.int64)])  # [T]
+    keys, values = st.buf.keep_head(T)  # [L, H, T, D] each: the request is finished
     return KeptPrefix(
         token_ids=token_ids,
-        keys=st.buf.keys[:, :, :T].clone(), values=st.buf.values[:, :, :T].clone(), inexact=inexact, drift=drift,
+        keys=keys, values=values, inexact=inexact, drift=drift,
         runs=tuple(sorted(runs, key=lambda r: r.start)), fingerprint=fingerprint,
         prompt_tokens=int(st.slot_tokens.shape[0]), exact_tokens=exact, selector=selection[0], ratio=selection[1],
     )

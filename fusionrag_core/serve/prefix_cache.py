@@ -125,7 +125,9 @@ class KeptPrefix:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        """The memory its K/V hold: their storages, which may be a little larger than `[L, H, T, D]`
+        (a finished request's buffer handed over with its unused tail)."""
+        return self.keys.untyped_storage().nbytes() + self.values.untyped_storage().nbytes()
 
     def to(self, device: torch.device, *, pin: bool = False) -> KeptPrefix:
         """This entry with its K/V on `device` (pinned host memory when `pin`); the same when there."""
@@ -271,8 +273,9 @@ class PrefixCache:
             self._forget(key, entry)
             return
         self.demotions += 1
-        self._host[key] = entry.to(torch.device("cpu"), pin=self._pin)
-        self._bytes["host"] += entry.nbytes
+        host = entry.to(torch.device("cpu"), pin=self._pin)  # NOTE: a copy is compact: count what it holds
+        self._host[key] = host
+        self._bytes["host"] += host.nbytes
         while self._bytes["host"] > self.config.host_bytes:
             old_key, old = self._host.popitem(last=False)
             self._bytes["host"] -= old.nbytes
