@@ -31,6 +31,12 @@ class Probe:
     layers: tuple[int, ...]
     last_share: float | None
 
+    @classmethod
+    def at(cls, st: Stitched, depths: tuple[float, ...], last_share: float | None) -> Probe:
+        """The probe of `st`'s question at relative `depths` (`probe_layers`): the one constructor,
+        so a probe run beforehand has the key its selector looks for."""
+        return cls(st, probe_layers(st.decoder.windows, depths), last_share)
+
     @property
     def key(self) -> tuple[tuple[int, ...], float | None]:
         """What tells this probe's masses from another probe's of the same request."""

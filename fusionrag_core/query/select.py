@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from fusionrag_core.errors import InvalidRequestError
-from fusionrag_core.query.probe import Probe, masses, probe_layers
+from fusionrag_core.query.probe import Probe, masses
 from fusionrag_core.query.selectors import SELECTOR_DESCRIPTIONS
 from fusionrag_core.query.stitch import Stitched
 
@@ -142,7 +142,7 @@ def question_attention(st: Stitched, depths: tuple[float, ...], *, last_share: f
         last_share: the share of the attention taken from the question's last token (see
             `question_weights`); None weighs every question token alike.
     """
-    probe = Probe(st, probe_layers(st.decoder.windows, depths), last_share)
+    probe = Probe.at(st, depths, last_share)
     by_layer = masses(probe)
     mass = torch.stack([by_layer[layer] for layer in probe.layers])[:, st.reusable_slots]  # [A, R]
     mass = mass / mass.sum(dim=1, keepdim=True).clamp_min(1e-30)
@@ -217,8 +217,7 @@ def probe_for(name: str, st: Stitched, budget: int, config: SelectConfig) -> Pro
     reads its masses from `st.probed`."""
     if name not in PROBED or budget <= 0 or st.reusable_slots.numel() == 0:
         return None
-    depths, last_share = PROBED[name](config)
-    return Probe(st, probe_layers(st.decoder.windows, depths), last_share)
+    return Probe.at(st, *PROBED[name](config))
 
 
 # NOTE: derived from the registry, never listed by hand: a name without its `select_<name>`

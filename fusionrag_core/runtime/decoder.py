@@ -290,11 +290,7 @@ class Decoder:
             layer -> `[buf.length]` fp32: softmax per head over the visible keys, summed over heads
             and tokens (weighted by `weights`).
         """
-        if not layers or not all(0 <= layer < self.num_layers for layer in layers):
-            raise ValueError(f"attention layers {list(layers)} must be non-empty and in [0, {self.num_layers})")
-        n = int(token_ids.shape[0])
-        if weights is not None and weights.shape != (n,):
-            raise ValueError(f"weights must be [{n}] (one per scored token), got {list(weights.shape)}")
+        self._check_probe(layers, token_ids, weights)
         top = max(layers)
         p = self._pass(buf, slots, None)
         x = self._embed(token_ids)
@@ -330,8 +326,8 @@ class Decoder:
                              f"{len(token_ids)} tokens, {len(slots)} slots, {len(weights)} weights")
         if B == 1:
             return [self.probe(bufs[0], token_ids[0], slots[0], layers=layers, weights=weights[0])]
-        if not layers or not all(0 <= layer < self.num_layers for layer in layers):
-            raise ValueError(f"attention layers {list(layers)} must be non-empty and in [0, {self.num_layers})")
+        for t, w in zip(token_ids, weights, strict=True):
+            self._check_probe(layers, t, w)
         top = max(layers)
         passes = [self._pass(buf, s, None) for buf, s in zip(bufs, slots, strict=True)]
         bounds = _row_bounds(slots)
@@ -349,6 +345,14 @@ class Decoder:
                 break  # NOTE: the mass is read from this layer's queries and keys; its output feeds nothing
             x = self._feed_forward(i, x, self._attend_batch(i, qs, passes))
         return masses
+
+    def _check_probe(self, layers: Sequence[int], token_ids: torch.Tensor, weights: torch.Tensor | None) -> None:
+        """Refuse a probe's layers outside the model, or weights that are not one per token."""
+        if not layers or not all(0 <= layer < self.num_layers for layer in layers):
+            raise ValueError(f"attention layers {list(layers)} must be non-empty and in [0, {self.num_layers})")
+        n = int(token_ids.shape[0])
+        if weights is not None and weights.shape != (n,):
+            raise ValueError(f"weights must be [{n}] (one per scored token), got {list(weights.shape)}")
 
     @torch.inference_mode()
     def probe_keys(self, buf: KVBuffer, token_ids: torch.Tensor, slots: torch.Tensor, layer: int) -> torch.Tensor:
