@@ -2,8 +2,12 @@
 
 The floor is one matrix-vector product per weight matrix (what any implementation must read).
 The profile splits the eager step into matmuls, attention and the rest (Python, small ops).
+`--batch B` times one batched step over B requests (`Decoder.decode_batch`, as the scheduler runs
+it) with the packed oneDNN projections and head (`EngineConfig.packed_linears`) on and off, the two
+alternating round by round so that a drift of the machine's speed reaches both alike.
 
     OMP_NUM_THREADS=1 python benchmarks/decode_step.py --context 4000 [--compile]
+    python benchmarks/decode_step.py --context 950 --batch 1,16
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -37,6 +42,29 @@ def filled(decoder: Decoder, context: int, steps: int) -> KVBuffer:
     return buf
 
 
+def batched_step(decoder: Decoder, bufs: Sequence[KVBuffer]) -> float:
+    """Seconds of one `decode_batch` over `bufs` (each takes its next slot)."""
+    slots = [b.reserve(torch.tensor([b.length]), valid=True) for b in bufs]
+    t0 = time.perf_counter()
+    decoder.decode_batch(bufs, torch.full((len(bufs),), 5), slots)
+    return time.perf_counter() - t0
+
+
+def packed_vs_mkl(engine: FusionEngine, batch: int, context: int, rounds: int) -> dict[str, float]:
+    """Median batched-step seconds with packed projections and head, and with MKL's `F.linear`,
+    alternating round by round over the same buffers; `ratio` is the median of the rounds' ratios."""
+    mkl = Decoder(engine.model, packed_linears=False)
+    bufs = [filled(engine.decoder, context, 2 * rounds + 4) for _ in range(batch)]
+    for decoder in (engine.decoder, mkl):
+        batched_step(decoder, bufs)
+    packed, plain = [], []
+    for _ in range(rounds):
+        packed.append(batched_step(engine.decoder, bufs))
+        plain.append(batched_step(mkl, bufs))
+    return {"packed": statistics.median(packed), "mkl": statistics.median(plain),
+            "ratio": statistics.median(a / b for a, b in zip(packed, plain, strict=True))}
+
+
 def weights_floor(decoder: Decoder) -> float:
     mats = [m.weight for m in decoder.model.modules() if isinstance(m, torch.nn.Linear)]
     x = {w.shape[1]: torch.randn(1, w.shape[1]) for w in mats}
@@ -55,9 +83,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--model", default=None)
     p.add_argument("--compile", action="store_true", help="also time EngineConfig(compile_decode=True)")
+    p.add_argument("--batch", default=None,
+                   help="comma-separated request counts: time batched steps, packed projections on vs off")
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     engine = FusionEngine.from_pretrained(args.model, device="cpu", dtype=torch.float32)
+    if args.batch:
+        for batch in (int(b) for b in args.batch.split(",")):
+            r = packed_vs_mkl(engine, batch, args.context, args.steps)
+            print(f"batch {batch}, context {args.context}: packed {r['packed'] * 1e3:.1f} ms, MKL "
+                  f"{r['mkl'] * 1e3:.1f} ms, packed / MKL {r['ratio']:.2f}x (median of {args.steps} rounds)")
+        return
     buf = filled(engine.decoder, args.context, 3 * args.steps + 10)
     median_step(engine.decoder, buf, 3)
     eager = median_step(engine.decoder, buf, args.steps)

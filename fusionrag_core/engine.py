@@ -98,11 +98,11 @@ class EngineConfig:
             starting with the same tokens (the next turn of a conversation, an agent's next call)
             continues from it (`fusionrag_core.serve.prefix_cache`); its reused chunk tokens stay
             open to the new question's recompute. None: only the system prefix is memoised.
-        packed_linears: on CPU, run the decoder's fp32 projections of multi-token passes (probe,
-            recompute, prefills) through oneDNN with weights packed once
+        packed_linears: on CPU, run the decoder's fp32 projections and vocabulary head (probe,
+            recompute, prefills, decode steps) through oneDNN with weights packed once
             (`fusionrag_core.runtime.linear`), faster than torch's `F.linear` (MKL) on such
-            few-row products. Costs a second copy of the layers' projection weights; off keeps
-            `F.linear`. No effect on GPUs or non-fp32 weights.
+            few-row products. Costs a second copy of the layers' projection weights and of the
+            head; off keeps `F.linear`. No effect on GPUs or non-fp32 weights.
     """
 
     selector: str = DEFAULT_SELECTOR

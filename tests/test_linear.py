@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fusionrag_core.runtime import compat
+from fusionrag_core.runtime.decoder import Decoder
 from fusionrag_core.runtime.linear import LayerLinears, Linears
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -29,10 +30,7 @@ def test_packed_products_equal_the_modules(bias: bool, rows: int) -> None:
         want = [m(x) for m in modules]
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape
-        if rows == 1:  # a single row stays on F.linear: the model's own product
-            assert torch.equal(g, w)
-        else:
-            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [2, 23, 145, 860])
@@ -65,3 +63,22 @@ def test_layer_mlp_equals_the_models() -> None:
         want = layer.mlp(x)
         assert torch.equal(LayerLinears(layer, packed=False).mlp(x), want)
         torch.testing.assert_close(LayerLinears(layer, packed=True).mlp(x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decoder_head_equals_the_models_logits(packed: bool, rows: int) -> None:
+    """The decoder's head (packed apart from the embedding it is tied to) computes the model's logits."""
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    decoder = Decoder(model, packed_linears=packed)
+    assert isinstance(decoder.head, Linears) and (decoder.head.packed is not None) == packed
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        want = model.lm_head(model.model.norm(x))
+        got = decoder._head(x)
+    assert got.shape == (rows, 300) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # NOTE: the tie survives packing

@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 from fusionrag_core.errors import UnsupportedModelError
 from fusionrag_core.runtime import attention, compat
 from fusionrag_core.runtime.kv import KVBuffer
-from fusionrag_core.runtime.linear import LayerLinears
+from fusionrag_core.runtime.linear import LayerLinears, Linears
 from fusionrag_core.runtime.rope import RopeTable, apply_rope, cos_sin
 
 # NOTE: passes this small attend in one masked call (see `_Pass.plan`).
@@ -103,7 +103,7 @@ class Decoder:
         """Args:
             model: a Llama-family transformers model.
             compile_decode: compile each layer's MLP for one-token passes (see `EngineConfig`).
-            packed_linears: CPU fp32 projections through oneDNN with packed weights (`linear.py`).
+            packed_linears: CPU fp32 projections and head through oneDNN with packed weights (`linear.py`).
         """
         self.model = model
         self.parts = compat.decoder_parts(model)
@@ -126,6 +126,11 @@ class Decoder:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.linears = [LayerLinears(layer, packed=packed_linears) for layer in self.parts.layers]
+        lm_head = self.parts.lm_head
+        # NOTE: the head is packed apart from the embedding it may be tied to (a lookup reads rows of
+        # the plain weight; the packed copy is blocked)
+        self.head = (Linears([lm_head], packed=packed_linears) if isinstance(lm_head, torch.nn.Linear)
+                     else _Unpacked(lm_head))
         self.one_token_mlps = ([_compiled(layer.mlp, self.device) for layer in self.parts.layers]
                                if compile_decode else None)
 
@@ -214,8 +219,7 @@ class Decoder:
                 x = x[:, [b - 1 for _, b in bounds]]  # [1, B, C]
                 qs, passes = [q[:, -1:] for q in qs], [p.last_row() for p in passes]
             x = self._feed_forward(i, x, self._attend_batch(i, qs, passes))
-        out = self.parts.lm_head(self.parts.final_norm(x))[0].float()  # [B, V]
-        return self._softcap(out)
+        return self._head(x[0])  # [B, V]
 
     def _write_batch(self, i: int, x: torch.Tensor, passes: Sequence[_Pass], bounds: Sequence[tuple[int, int]],
                      tables: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
@@ -272,8 +276,7 @@ class Decoder:
         for i in range(self.num_layers):
             qs = self._write_batch(i, x, passes, bounds, tables)  # B x [Hq, 1, D]
             x = self._feed_forward(i, x, self._attend_batch(i, qs, passes))
-        out = self.parts.lm_head(self.parts.final_norm(x))[0].float()  # [B, V]
-        return self._softcap(out)
+        return self._head(x[0])  # [B, V]
 
     @torch.inference_mode()
     def probe(self, buf: KVBuffer, token_ids: torch.Tensor, slots: torch.Tensor, *,
@@ -440,9 +443,11 @@ class Decoder:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """`[V]` fp32 logits of the last row of `x` `[1, N, C]`."""
-        return self._softcap(self.parts.lm_head(self.parts.final_norm(x[:, -1:]))[0, 0].float())
+        return self._head(x[0, -1:])[0]
 
-    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """`[N, V]` fp32 logits of the hidden states `x` `[N, C]` (final norm, head, soft-cap)."""
+        logits = self.head(self.parts.final_norm(x))[0].float()
         cap = self.parts.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -451,6 +456,16 @@ def _row_bounds(slots: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
     """Each request's `(first, end)` rows in a pass that packs the requests' `[N_b]` slots in order."""
     ends = torch.tensor([int(s.shape[0]) for s in slots]).cumsum(0).tolist()
     return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+class _Unpacked:
+    """A head that is not an `nn.Linear`, called as `Linears` are: `x -> [module(x)]`."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [self.module(x)]
 
 
 def _compiled(module: torch.nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -11,9 +11,12 @@ on a shared machine (every parallel region waits for its slowest thread). oneDNN
 output column the same way however many columns a call has: the fused products equal the
 separate ones bit for bit (`tests/test_linear.py`).
 
-Single-row products (a decode step) stay on MKL, which is as fast or faster there. The packed
-copy doubles the decoder layers' projection weights in memory, so it is an engine option
-(`EngineConfig.packed_linears`); GPUs and non-fp32 weights use `F.linear`.
+Single-row products (a decode step) go through it too: there every weight streams from memory,
+and oneDNN reads a packed weight faster than MKL's matrix-vector product does (on a 2-core AMD
+EPYC, a SmolLM2-135M decode step took 0.72x the time, `benchmarks/decode_step.py`). The
+vocabulary head is packed the same way (`Decoder.head`): it is the largest single product of a
+decode step. The packed copies double the projection and head weights in memory, so they are an
+engine option (`EngineConfig.packed_linears`); GPUs and non-fp32 weights use `F.linear`.
 The copy is taken when the `Decoder` is built: weights changed in place afterwards (an adapter
 merged into the model) do not reach it, so build the engine after such changes.
 Results equal `F.linear`'s up to float rounding (another blocking of the same sums).
@@ -32,9 +35,8 @@ from fusionrag_core.runtime import compat
 class Linears:
     """Several `nn.Linear`s of one input as one product: `x -> (x @ W_i.T + b_i for each i)`.
 
-    Uses a packed oneDNN weight (the modules' weights concatenated) where one can be built and
-    the input has more than one row; otherwise each module's own `F.linear`, exactly as the
-    model computes it.
+    Uses a packed oneDNN weight (the modules' weights concatenated) where one can be built;
+    otherwise each module's own `F.linear`, exactly as the model computes it.
     """
 
     def __init__(self, modules: list[torch.nn.Linear], *, packed: bool) -> None:
@@ -57,11 +59,10 @@ class Linears:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """`x` `[..., K]` -> one `[..., N_i]` per module (views of one output when packed)."""
-        rows = x.numel() // x.shape[-1]
-        if self.packed is None or rows <= 1:
+        if self.packed is None:
             return [F.linear(x, w, b) for w, b in zip(self.weights, self.biases, strict=True)]
         # NOTE: the packed op has no autograd: the decoder's passes all run in inference mode
-        out = compat.packed_linear(x.reshape(rows, x.shape[-1]), self.packed, self.bias)  # [M, sum N_i]
+        out = compat.packed_linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias)  # [M, sum N_i]
         out = out.view(*x.shape[:-1], out.shape[-1])
         return list(out.split(self.widths, dim=-1))
 
