@@ -64,6 +64,20 @@ def test_learned_spans_study_tiny(tokenizer: PreTrainedTokenizerBase, tmp_path: 
     assert doc["load_before"]["loadavg"] and doc["threads"] >= 1
 
 
+def test_quality_only_runs_the_quality_part_alone(tokenizer: PreTrainedTokenizerBase, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    script = load_script("learned_spans_study", monkeypatch)
+    out = tmp_path / "study.json"
+    args = script.parse_args(["--data", str(DATA), "--rows", "2", "--max-passage-tokens", "40", "--neighbours", "4",
+                              "--contexts", "gold", "-k", "4", "--extra-passages", "2", "--quality-only",
+                              "--out", str(out)])
+    script.study(tiny_engine(tokenizer), args)
+    doc = json.loads(out.read_text())
+    assert len(doc["quality"]["gold"]["rows"]) == 2
+    assert doc["second_ask"] is None and doc["second_ask_shared_documents"] is None and doc["overhead"] is None
+    assert set(doc["goals"]) == {"quality_gold@0.15"}
+
+
 def test_learned_drift_is_the_spans_drift_from_itself_alone(tokenizer: PreTrainedTokenizerBase, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """`--learned-drift`: a learned span's cache gets `fusion_drift` against the span alone after the
