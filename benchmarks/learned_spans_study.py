@@ -129,7 +129,8 @@ def study(engine: FusionEngine, args: argparse.Namespace,
     fresh_needed = 0 if args.quality_only else args.overhead_repeats + 1
     rows = load_rows(args.data, args.skip + args.rows + fresh_needed)[args.skip:]
     if len(rows) < args.rows + fresh_needed:
-        raise SystemExit(f"{args.data} has too few rows after --skip {args.skip}: need --rows + --overhead-repeats + 1")
+        raise SystemExit(f"{args.data} has too few rows after --skip {args.skip}: need {args.rows + fresh_needed} "
+                         "(--rows, plus --overhead-repeats + 1 unless --quality-only)")
     quality_rows, fresh_rows = rows[:args.rows], rows[args.rows:]
     # NOTE: learned spans are what is studied: the engine's prefix cache stays out of it, except in a
     # second ask measured apart with `shared_documents` (which answers a repeated prompt from its K/V)

@@ -134,12 +134,12 @@ def test_the_device_tier_evicts_to_the_host_tier_and_a_match_brings_an_entry_bac
 
 def test_a_kept_entry_counts_the_memory_it_holds_in_each_tier() -> None:
     """An entry that views a larger buffer (a finished request's, kept without a copy) counts that
-    buffer; its host copy is compact and counts what it holds, so the tiers' bytes add up."""
+    buffer; the host tier counts what the entry it holds holds (a compact copy from a GPU; on a CPU
+    the entry itself), so the tiers' bytes add up."""
     buf = torch.zeros(1, 1, 20, 8)  # [L, H, S, D]: 16 tokens used of 20 slots
     view = dataclasses.replace(_entry(list(range(16)), 64), keys=buf[:, :, :16], values=buf.clone()[:, :, :16])
     assert view.nbytes == 2 * buf.nbytes
-    compact = view.to(torch.device("cpu"), pin=False)
-    assert compact is view  # NOTE: already on the cpu: no copy
+    assert view.to(torch.device("cpu"), pin=False) is view  # NOTE: already on the cpu: no copy
     cache = PrefixCache(PrefixCacheConfig(max_bytes=view.nbytes, host_bytes=4 * view.nbytes, block_tokens=4,
                                           min_tokens=4), "fp")
     cache.keep(view)
