@@ -102,3 +102,23 @@ def test_learned_absolute_positions_are_refused() -> None:
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
     with pytest.raises(UnsupportedModelError, match=r"Llama-family|learned absolute"):
         compat.decoder_parts(model)
+
+
+def test_a_projection_that_is_not_a_linear_is_refused() -> None:
+    class Scaled(torch.nn.Module):  # e.g. an adapter wrapper: no `.weight` the decoder could pack
+        def __init__(self, inner: torch.nn.Linear) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * self.inner(x)
+
+    model = tiny_llama(ROPE_VARIANTS["default"])
+    compat.decoder_parts(model)  # plain: accepted
+    model.lm_head = Scaled(model.lm_head)
+    with pytest.raises(UnsupportedModelError, match=r"lm_head is a Scaled, not an nn.Linear.*unquantized"):
+        compat.decoder_parts(model)
+    model = tiny_llama(ROPE_VARIANTS["default"])
+    model.model.layers[0].mlp.down_proj = Scaled(model.model.layers[0].mlp.down_proj)
+    with pytest.raises(UnsupportedModelError, match=r"mlp.down_proj is a Scaled"):
+        compat.decoder_parts(model)

@@ -55,7 +55,7 @@ class DecoderParts:
     embed_tokens: nn.Module
     layers: list[Any]  # decoder layers; Any because transformers types them loosely
     final_norm: nn.Module
-    lm_head: nn.Module
+    lm_head: nn.Linear
     final_logit_softcap: float | None
 
 
@@ -85,6 +85,21 @@ def load_model(
     cast(Any, model).to(device)
     model.eval()
     return model, tokenizer
+
+
+def _check_linears(model: PreTrainedModel, attn: Any, mlp: Any) -> None:
+    """The decoder reads every projection's and the head's `.weight` (and packs it): refuse
+    models whose projections are other modules (a quantized `QuantLinear`, a LoRA wrapper)."""
+    mods = {f"self_attn.{n}": getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    mods |= {f"mlp.{n}": getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")}
+    mods["lm_head"] = model.lm_head
+    for name, module in mods.items():
+        if not isinstance(module, nn.Linear):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}'s {name} is a {type(module).__name__}, not an nn.Linear: the "
+                "decoder reads projection weights directly; load the model unquantized (merge adapters "
+                "first) in float32, bfloat16 or float16"
+            )
 
 
 def text_config(model: PreTrainedModel) -> Any:
@@ -124,6 +139,7 @@ def decoder_parts(model: PreTrainedModel) -> DecoderParts:
                 f"{type(model).__name__} MLP has no {name} (not a gated MLP: down(act(gate(x)) * up(x))); "
                 "not supported yet"
             )
+    _check_linears(model, attn, mlp)
     return DecoderParts(
         # NOTE: Gemma's sqrt(hidden) embedding scale is applied inside its embedding module.
         embed_tokens=base.embed_tokens,

@@ -129,8 +129,7 @@ class Decoder:
         lm_head = self.parts.lm_head
         # NOTE: the head is packed apart from the embedding it may be tied to (a lookup reads rows of
         # the plain weight; the packed copy is blocked)
-        self.head = (Linears([lm_head], packed=packed_linears) if isinstance(lm_head, torch.nn.Linear)
-                     else _Unpacked(lm_head))
+        self.head = Linears([lm_head], packed=packed_linears)
         self.one_token_mlps = ([_compiled(layer.mlp, self.device) for layer in self.parts.layers]
                                if compile_decode else None)
 
@@ -456,16 +455,6 @@ def _row_bounds(slots: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
     """Each request's `(first, end)` rows in a pass that packs the requests' `[N_b]` slots in order."""
     ends = torch.tensor([int(s.shape[0]) for s in slots]).cumsum(0).tolist()
     return list(zip([0, *ends[:-1]], ends, strict=True))
-
-
-class _Unpacked:
-    """A head that is not an `nn.Linear`, called as `Linears` are: `x -> [module(x)]`."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return [self.module(x)]
 
 
 def _compiled(module: torch.nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
