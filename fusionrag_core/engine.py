@@ -42,7 +42,7 @@ from fusionrag_core.query.selectors import DEFAULT_SELECTOR
 from fusionrag_core.query.stitch import CacheLookup, CacheMiss, Stitched, prefetch, stitch
 from fusionrag_core.query.tools import ToolCallFormat, ToolRequest
 from fusionrag_core.recognise.content_index import Match
-from fusionrag_core.runtime import loading
+from fusionrag_core.runtime import loading, threads
 from fusionrag_core.runtime.decoder import Decoder
 from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.serve.continuation import head_cache, kept_from, reopen, rest_of, settle, verified_head
@@ -377,6 +377,9 @@ class FusionEngine:
                              if self.config.prefix_cache is not None else None)
         self.scheduler = (Scheduler(self.decoder, self.config.scheduler, self._kv_budget(self.config.scheduler))
                           if self.config.scheduler is not None else None)
+        # NOTE: loading and packing the model ran parallel ops on this thread; the OpenMP pool they left
+        # would slow whichever other thread runs the model (`runtime.threads`)
+        threads.release_pool()
 
     @classmethod
     def from_pretrained(

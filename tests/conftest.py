@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from fusionrag_core.engine import FusionEngine
-from fusionrag_core.runtime import compat
+from fusionrag_core.runtime import compat, threads
 from tests.ingest_worker import tokenizer_dir
 
 
@@ -60,6 +61,20 @@ def tokenizer(tokenizer_path: Path) -> PreTrainedTokenizerBase:
 @pytest.fixture(scope="session")
 def smollm_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     return tokenizer
+
+
+@pytest.fixture
+def pool_releases(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the threads that call `threads.release_pool` during the test (which still releases)."""
+    released: list[str] = []
+    release = threads.release_pool
+
+    def recording() -> bool:
+        released.append(threading.current_thread().name)
+        return release()
+
+    monkeypatch.setattr(threads, "release_pool", recording)
+    return released
 
 
 @pytest.fixture(scope="module")

@@ -325,6 +325,16 @@ def test_a_stream_closed_early_leaves_the_batch_and_the_others_finish(
     assert idle(llama)
 
 
+def test_a_leader_hands_its_openmp_pool_back_only_when_another_consumer_may_lead(
+    llama: FusionEngine, llama_requests: list[Request], pool_releases: list[str]
+) -> None:
+    llama_requests[0].answer(llama)
+    assert pool_releases == []  # alone, its caller leads every round and keeps its pool
+    run_concurrently(lambda r: r.answer(llama), llama_requests[:4], 4)
+    assert pool_releases  # NOTE: one pool per consumer that ever led would put every parallel op to sleep
+    assert idle(llama)
+
+
 # ---- 6. limits -----------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_request_over_the_kv_budget_alone_is_refused_and_one_that_fits_exactly_runs(

@@ -24,6 +24,7 @@ import queue
 import threading
 from types import TracebackType
 
+from fusionrag_core.runtime import threads
 from fusionrag_core.runtime.kv import ChunkKV
 from fusionrag_core.store.base import KVStore
 
@@ -108,7 +109,9 @@ class BlobWriter:
                 if item is None:
                     return
                 if self._error is None:  # NOTE: after a failure nothing is written; the queue drains.
-                    self.store.put(*item)
+                    # NOTE: the put's torch ops must not leave an OpenMP pool beside the thread running
+                    # the prefills (`runtime.threads`)
+                    threads.releasing(self.store.put)(*item)
             except BaseException as e:  # NOTE: handed to the producer (put/flush/close), never lost.
                 self._error = e
             finally:

@@ -15,6 +15,7 @@ import torch
 
 from fusionrag_core.query.drift import prompt_drift
 from fusionrag_core.query.prompt import FusionPrompt
+from fusionrag_core.runtime import threads
 from fusionrag_core.runtime.decoder import Decoder
 from fusionrag_core.runtime.kv import ChunkKV, KVBuffer
 from fusionrag_core.runtime.rope import shift_keys
@@ -46,10 +47,13 @@ def prefetch(prompt: FusionPrompt, lookup: CacheLookup, pool: Executor, *,
     Errors surface when `stitch` asks for that chunk, in prompt order, as without prefetching.
     """
     futures: dict[tuple[str, bool], Future[ChunkKV | CacheMiss | None]] = {}
+    # NOTE: a lookup's torch ops leave an OpenMP pool in its thread, which slows every parallel op of
+    # the thread running the model (`runtime.threads`): each pooled lookup hands it back
+    pooled = threads.releasing(lookup)
     for i, seg in enumerate(prompt.segments):
         key = (seg.chunk_id or "", i == 0)
         if seg.chunk_id and seg.chunk_id not in inline and key not in futures:
-            futures[key] = pool.submit(lookup, *key)
+            futures[key] = pool.submit(pooled, *key)
 
     def wait(chunk_id: str, first: bool) -> ChunkKV | CacheMiss | None:
         future = futures.get((chunk_id, first))

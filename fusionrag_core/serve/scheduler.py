@@ -29,7 +29,9 @@ NOTE: why not a dedicated loop thread: OpenMP (libgomp) keeps a worker pool per 
 ran a parallel region, and once the pools hold more threads than there are cores it stops
 spinning between regions; a decode step is hundreds of short regions, and on a 2-core machine a
 dedicated thread's step took 1.6x the caller's (`benchmarks/serving.py` measures the scheduler
-against the engine without it). Leading from the caller keeps one user as fast as before.
+against the engine without it). Leading from the caller keeps one user as fast as before. With
+several consumers the lead moves between threads, so a leader that others may follow hands its
+pool back after its round (`runtime.threads`): one pool at a time, whoever leads.
 
 Nothing a request owns is kept in the scheduler once it leaves.
 """
@@ -50,6 +52,7 @@ from fusionrag_core.errors import InvalidRequestError, OverloadedError
 from fusionrag_core.query.decoding import Decoding
 from fusionrag_core.query.probe import Probe, run_probes
 from fusionrag_core.query.recompute import SparsePass, run_passes
+from fusionrag_core.runtime import threads
 from fusionrag_core.runtime.decoder import Decoder
 
 log = logging.getLogger(__name__)
@@ -266,6 +269,10 @@ class Scheduler:
                 self._step()
         finally:
             self._lead.release()
+        with self._wake:
+            shared = len(self._running) + len(self._waiting) > 1
+        if shared:  # NOTE: another consumer may lead next: one OpenMP pool per leader would slow them all
+            threads.release_pool()
         return True
 
     def hand_over(self, leaving: Ticket[Any]) -> None:
