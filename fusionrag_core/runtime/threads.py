@@ -9,9 +9,10 @@ cache-loading thread made an elementwise op on a `[61, 576]` activation ~10x slo
 docs/benchmarks.md, "Serving many users", for what releasing them did to throughput).
 
 So a thread that ran torch ops and will not run the model next hands its pool back
-(`release_pool`): the loader threads after each lookup, the thread that built the engine, and a
-scheduler leader that passes the lead on. Limiting helper threads with `torch.set_num_threads(1)`
-instead would not do: the setting is also the default of every thread started later.
+(`release_pool`): the loader threads after each lookup, the blob writer after each put, the thread
+that built the engine, and a scheduler leader that another consumer may follow. Limiting helper
+threads with `torch.set_num_threads(1)` instead would not do: the setting is also the default of
+every thread started later.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 P = ParamSpec("P")
@@ -33,12 +36,13 @@ _OMP_PAUSE_SOFT = 1  # `omp_pause_soft`: free the calling thread's workers; the 
 
 @functools.cache
 def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp this process loaded (torch's own copy, not whichever a name lookup would find)."""
+    """The libgomp torch loaded (its wheels bundle their own copy: a name lookup could find another)."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         maps = ""
     paths = sorted({line.split()[-1] for line in maps.splitlines() if "/libgomp" in line})
+    paths.sort(key=lambda path: not path.startswith(str(Path(torch.__file__).parent)))  # torch's first
     if not paths:
         logger.debug("no libgomp loaded (not Linux, or torch uses another OpenMP runtime): pools are not released")
         return None
