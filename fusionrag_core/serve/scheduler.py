@@ -31,7 +31,8 @@ spinning between regions; a decode step is hundreds of short regions, and on a 2
 dedicated thread's step took 1.6x the caller's (`benchmarks/serving.py` measures the scheduler
 against the engine without it). Leading from the caller keeps one user as fast as before. With
 several consumers the lead moves between threads, so a leader that others may follow hands its
-pool back after its round (`runtime.threads`): one pool at a time, whoever leads.
+pool back after its round, and every reader hands its pool back when it stops reading
+(`runtime.threads`): one pool at a time, whoever leads.
 
 Nothing a request owns is kept in the scheduler once it leaves.
 """
@@ -161,6 +162,9 @@ class Ticket(Generic[T]):
         finally:
             self.cancel()  # NOTE: a consumer that stops reading: no-op once finished
             self._scheduler.hand_over(self)
+            # NOTE: this thread leads no more rounds for this request; a pool left here (a warm-up or a
+            # request served alone) would slow whoever leads next (`runtime.threads`)
+            threads.release_pool()
 
     def _next_event(self) -> object:
         """This request's next event; runs loop iterations while there is none and no one leads."""
