@@ -11,9 +11,8 @@ docs/benchmarks.md, "Serving many users", for what releasing them did to through
 So a thread that ran torch ops and will not run the model next hands its pool back
 (`release_pool`): the loader threads after each lookup, the blob writer after each put, the thread
 that built the engine, a scheduler leader that another reader may follow, and every reader when it
-stops reading. Limiting helper
-threads with `torch.set_num_threads(1)` instead would not do: the setting is also the default of
-every thread started later.
+stops reading. Limiting helper threads with `torch.set_num_threads(1)` instead would not do: the
+setting is also the default of every thread started later.
 """
 
 from __future__ import annotations
