@@ -87,11 +87,16 @@ def load_model(
     return model, tokenizer
 
 
+# The projections the decoder reads (and packs) from each layer, by name.
+_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 def _check_linears(model: PreTrainedModel, attn: Any, mlp: Any) -> None:
     """The decoder reads every projection's and the head's `.weight` (and packs it): refuse
     models whose projections are other modules (a quantized `QuantLinear`, a LoRA wrapper)."""
-    mods = {f"self_attn.{n}": getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
-    mods |= {f"mlp.{n}": getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")}
+    mods = {f"self_attn.{n}": getattr(attn, n) for n in _ATTENTION_PROJECTIONS}
+    mods |= {f"mlp.{n}": getattr(mlp, n) for n in _MLP_PROJECTIONS}
     mods["lm_head"] = model.lm_head
     for name, module in mods.items():
         if not isinstance(module, nn.Linear):
@@ -127,13 +132,13 @@ def decoder_parts(model: PreTrainedModel) -> DecoderParts:
             "its cached keys cannot be moved to new positions exactly; use a RoPE model"
         )
     attn = layers[0].self_attn
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    for name in _ATTENTION_PROJECTIONS:
         if not hasattr(attn, name):
             raise UnsupportedModelError(
                 f"{type(model).__name__} attention has no {name} (fused QKV?); not supported yet"
             )
     mlp = layers[0].mlp
-    for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
+    for name in (*_MLP_PROJECTIONS, "act_fn"):
         if not hasattr(mlp, name):
             raise UnsupportedModelError(
                 f"{type(model).__name__} MLP has no {name} (not a gated MLP: down(act(gate(x)) * up(x))); "
