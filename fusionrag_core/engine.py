@@ -103,6 +103,10 @@ class EngineConfig:
             (`fusionrag_core.runtime.linear`), faster than torch's `F.linear` (MKL) on such
             few-row products. Costs a second copy of the layers' projection weights and of the
             head; off keeps `F.linear`. No effect on GPUs or non-fp32 weights.
+        idle_kv_bytes: on CPU, how much memory of finished requests' K/V buffers is kept for the next
+            requests' buffers (`fusionrag_core.runtime.memory`) instead of being handed back to the
+            system, which makes each new buffer touch its pages afresh (slow on VMs whose host
+            reclaims freed memory). 0 keeps none. On GPUs torch's caching allocator does this.
     """
 
     selector: str = DEFAULT_SELECTOR
@@ -115,10 +119,13 @@ class EngineConfig:
     audit_rate: float = 0.0
     compile_decode: bool = False
     packed_linears: bool = True
+    idle_kv_bytes: int = 512 << 20
     scheduler: SchedulerConfig | None = field(default_factory=SchedulerConfig)
     prefix_cache: PrefixCacheConfig | None = field(default_factory=PrefixCacheConfig)
 
     def __post_init__(self) -> None:
+        if self.idle_kv_bytes < 0:
+            raise InvalidRequestError(f"idle_kv_bytes must be >= 0, got {self.idle_kv_bytes}")
         if self.load_workers < 1:
             raise InvalidRequestError(f"load_workers must be >= 1, got {self.load_workers}")
         if not 0.0 <= self.audit_rate <= 1.0:
@@ -360,7 +367,8 @@ class FusionEngine:
         self.name = name or str(getattr(model.config, "_name_or_path", type(model).__name__))
         self.config = config or EngineConfig()
         self.decoder = decoder or Decoder(model, compile_decode=self.config.compile_decode,
-                                          packed_linears=self.config.packed_linears)
+                                          packed_linears=self.config.packed_linears,
+                                          idle_kv_bytes=self.config.idle_kv_bytes)
         self.layout = PromptLayout(tokenizer)
         self.fingerprint = loading.fingerprint(model)
         self.context_window = loading.context_window(model)

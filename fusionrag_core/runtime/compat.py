@@ -6,6 +6,7 @@ plain data; when transformers moves an attribute again, this is the one file to 
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from fusionrag_core.errors import UnsupportedModelError
+
+log = logging.getLogger(__name__)
 
 # RoPE variants whose angles are `position * inv_freq` with a position-independent inv_freq and
 # a constant attention scaling: a shift by `delta` is then an exact rotation by `delta * inv_freq`.
@@ -328,3 +331,20 @@ def packed_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for `x` `[M, K]` through oneDNN with `packed_linear_weight(weight)`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# ---- storage use count (a private torch binding: its name may move) --------------------------------------
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+_warned_use_count = threading.Event()
+
+
+def storage_users(t: torch.Tensor) -> int | None:
+    """How many tensors (`t` itself, its views) hold `t`'s storage, or None where this torch cannot tell."""
+    if _USE_COUNT is None:
+        if not _warned_use_count.is_set():
+            _warned_use_count.set()
+            log.warning("torch._C._storage_Use_Count is missing in torch %s: request K/V memory is not reused",
+                        torch.__version__)
+        return None
+    storage = t.untyped_storage()
+    return int(_USE_COUNT(storage._cdata)) - 1  # NOTE: minus the Python storage object made here

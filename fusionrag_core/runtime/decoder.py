@@ -29,6 +29,7 @@ from fusionrag_core.errors import UnsupportedModelError
 from fusionrag_core.runtime import attention, compat
 from fusionrag_core.runtime.kv import KVBuffer
 from fusionrag_core.runtime.linear import LayerLinears, Linears
+from fusionrag_core.runtime.memory import KVMemory
 from fusionrag_core.runtime.rope import RopeTable, apply_rope, cos_sin
 
 # NOTE: passes this small attend in one masked call (see `_Pass.plan`).
@@ -99,11 +100,13 @@ class _Pass:
 class Decoder:
     """Runs a Llama-family transformers model layer by layer over a `KVBuffer`."""
 
-    def __init__(self, model: PreTrainedModel, *, compile_decode: bool = False, packed_linears: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, *, compile_decode: bool = False, packed_linears: bool = True,
+                 idle_kv_bytes: int = 512 << 20) -> None:
         """Args:
             model: a Llama-family transformers model.
             compile_decode: compile each layer's MLP for one-token passes (see `EngineConfig`).
             packed_linears: CPU fp32 projections and head through oneDNN with packed weights (`linear.py`).
+            idle_kv_bytes: on CPU, memory of finished buffers kept for later ones (`memory.KVMemory`).
         """
         self.model = model
         self.parts = compat.decoder_parts(model)
@@ -130,6 +133,10 @@ class Decoder:
         # NOTE: the head is packed apart from the embedding it may be tied to (a lookup reads rows of
         # the plain weight; the packed copy is blocked)
         self.head = Linears([lm_head], packed=packed_linears)
+        # NOTE: buffers are carved in steps of 64 tokens of keys and values, so prompts of nearby
+        # lengths reuse each other's memory
+        self.memory = (KVMemory(idle_kv_bytes, granule=2 * 64 * self.num_layers * self.num_kv_heads * self.head_dim)
+                       if self.device.type == "cpu" else None)
         self.one_token_mlps = ([_compiled(layer.mlp, self.device) for layer in self.parts.layers]
                                if compile_decode else None)
 
@@ -140,7 +147,7 @@ class Decoder:
 
     def new_buffer(self, capacity: int) -> KVBuffer:
         return KVBuffer(self.num_layers, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype,
-                        device=self.device)
+                        device=self.device, memory=self.memory)
 
     # ---- entry points ----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from fusionrag_core.errors import CacheMismatchError
+from fusionrag_core.runtime.memory import KVMemory
 
 Variant = Literal["independent", "fused"]
 VARIANTS: tuple[Variant, ...] = ("independent", "fused")
@@ -136,6 +137,12 @@ def neighbours_digest(neighbour_ids: Sequence[str]) -> str:
     return hashlib.sha256(" ".join(neighbour_ids).encode()).hexdigest()[:16]
 
 
+def storage_bytes(*tensors: torch.Tensor) -> int:
+    """The memory `tensors` hold: their storages' bytes, a storage they share counted once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 # NOTE: a finished request's buffer is kept as it is (no copy) when its tokens fill this share of it.
 KEEP_IN_PLACE_SHARE = 0.75
 
@@ -155,12 +162,20 @@ class KVBuffer:
     """
 
     def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, *, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, memory: KVMemory | None = None) -> None:
+        """`memory`: where CPU buffers take their K/V memory from (None: allocated afresh)."""
         # NOTE: not zero-filled (two `L x H x S x D` passes of memory per request): a slot is written
         # by `put`, zeroed by `reserve(valid=False)`, or written by the pass that claims it before
         # anything reads it; slots `>= length` are never read.
-        self.keys = torch.empty(layers, kv_heads, capacity, head_dim, dtype=dtype, device=device)  # [L, H, S, D]
-        self.values = torch.empty_like(self.keys)  # [L, H, S, D]
+        shape = (layers, kv_heads, capacity, head_dim)
+        self._memory = memory if torch.device(device).type == "cpu" else None
+        if self._memory is not None:
+            n = layers * kv_heads * capacity * head_dim
+            flat = self._memory.take(2 * n, dtype)  # [2n]: keys then values, one piece
+            self.keys, self.values = flat[:n].view(shape), flat[n:].view(shape)  # [L, H, S, D] each
+        else:
+            self.keys = torch.empty(shape, dtype=dtype, device=device)  # [L, H, S, D]
+            self.values = torch.empty_like(self.keys)  # [L, H, S, D]
         self.positions = torch.full((capacity,), -1, dtype=torch.int64, device=device)  # [S]
         self.valid = torch.zeros(capacity, dtype=torch.bool, device=device)  # [S]
         self.length = 0
@@ -202,14 +217,20 @@ class KVBuffer:
     def keep_head(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V `[L, H, n, D]` of the first `n` slots, for the buffer's request once it is finished
         (nothing writes those slots again): views of the buffer itself when they fill at least
-        `KEEP_IN_PLACE_SHARE` of it, else compact copies, so what keeps them never holds much more
-        memory than `n` slots (the rest of a generation budget it did not use)."""
+        `KEEP_IN_PLACE_SHARE` of the memory it holds, else compact copies, so what keeps them never
+        holds much more memory than `n` slots (the rest of a generation budget it did not use, the
+        rest of a larger piece of `KVMemory`)."""
         if not 0 < n <= self.length:
             raise ValueError(f"cannot keep {n} slots of a buffer holding {self.length}")
         keys, values = self.keys[:, :, :n], self.values[:, :, :n]
-        if n >= KEEP_IN_PLACE_SHARE * self.capacity:
+        per_token = 2 * self.keys[:, :, :1].numel() * self.keys.element_size()
+        if n * per_token >= KEEP_IN_PLACE_SHARE * storage_bytes(self.keys, self.values):
             return keys, values
-        return keys.clone(), values.clone()
+        if self._memory is None:
+            return keys.clone(), values.clone()
+        m = keys.numel()
+        flat = self._memory.take(2 * m, keys.dtype, most=1.25)  # NOTE: compact: little more than it needs
+        return flat[:m].view(keys.shape).copy_(keys), flat[m:].view(values.shape).copy_(values)
 
     def slice(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K/V `[L, H, T, D]` at `slots`, for storing a chunk's part of a prefill."""

@@ -36,6 +36,7 @@ import torch
 import xxhash
 
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.runtime.kv import storage_bytes
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,9 @@ class KeptPrefix:
     @property
     def nbytes(self) -> int:
         """The memory its K/V hold: their storages, which may be a little larger than `[L, H, T, D]`
-        (a finished request's buffer handed over with its unused tail)."""
-        return self.keys.untyped_storage().nbytes() + self.values.untyped_storage().nbytes()
+        (a finished request's buffer handed over with its unused tail, keys and values in one piece
+        of `KVMemory`)."""
+        return storage_bytes(self.keys, self.values)
 
     def to(self, device: torch.device, *, pin: bool = False) -> KeptPrefix:
         """This entry with its K/V on `device` (pinned host memory when `pin`); the same when there."""
