@@ -29,8 +29,9 @@ class KVMemory:
     """A thread-safe pool of flat host tensors that buffers are carved from.
 
     Args:
-        idle_bytes: memory kept for reuse while nothing uses it; beyond it the least recently
-            made free pieces are handed back to the allocator (0: keep nothing).
+        idle_bytes: memory kept for reuse while nothing uses it; beyond it the pieces free the
+            longest are handed back to the allocator (0: keep nothing). Checked whenever memory is
+            taken: pieces freed since the last take are counted at the next one.
         granule: allocations are rounded up to a multiple of this many elements, so requests
             of slightly different lengths can reuse each other's memory.
     """
