@@ -106,7 +106,7 @@ class EngineConfig:
         idle_kv_bytes: on CPU, how much memory of finished requests' K/V buffers is kept for the next
             requests' buffers (`fusionrag_core.runtime.memory`) instead of being handed back to the
             system, which makes each new buffer touch its pages afresh (slow on VMs whose host
-            reclaims freed memory). 0 keeps none. On GPUs torch's caching allocator does this.
+            reclaims freed memory). 0: every buffer is allocated afresh. On GPUs torch's caching allocator does this.
     """
 
     selector: str = DEFAULT_SELECTOR

@@ -106,7 +106,8 @@ class Decoder:
             model: a Llama-family transformers model.
             compile_decode: compile each layer's MLP for one-token passes (see `EngineConfig`).
             packed_linears: CPU fp32 projections and head through oneDNN with packed weights (`linear.py`).
-            idle_kv_bytes: on CPU, memory of finished buffers kept for later ones (`memory.KVMemory`).
+            idle_kv_bytes: on CPU, memory of finished buffers kept for later ones (`memory.KVMemory`);
+                0: every buffer is allocated afresh.
         """
         self.model = model
         self.parts = compat.decoder_parts(model)
@@ -136,7 +137,7 @@ class Decoder:
         # NOTE: buffers are carved in steps of 64 tokens of keys and values, so prompts of nearby
         # lengths reuse each other's memory
         self.memory = (KVMemory(idle_kv_bytes, granule=2 * 64 * self.num_layers * self.num_kv_heads * self.head_dim)
-                       if self.device.type == "cpu" else None)
+                       if self.device.type == "cpu" and idle_kv_bytes > 0 else None)
         self.one_token_mlps = ([_compiled(layer.mlp, self.device) for layer in self.parts.layers]
                                if compile_decode else None)
 
