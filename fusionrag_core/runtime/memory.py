@@ -15,14 +15,11 @@ a stream being read) keeps it out of reuse without telling the pool.
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import torch
 
 from fusionrag_core.runtime import compat
-
-log = logging.getLogger(__name__)
 
 
 class KVMemory:
@@ -30,8 +27,8 @@ class KVMemory:
 
     Args:
         idle_bytes: memory kept for reuse while nothing uses it; beyond it the pieces free the
-            longest are handed back to the allocator (0: keep nothing). Checked whenever memory is
-            taken: pieces freed since the last take are counted at the next one.
+            longest are handed back to the allocator. Checked whenever memory is taken: pieces
+            freed since the last take are counted at the next one.
         granule: allocations are rounded up to a multiple of this many elements, so requests
             of slightly different lengths can reuse each other's memory.
     """
@@ -41,7 +38,7 @@ class KVMemory:
             raise ValueError(f"KVMemory needs idle_bytes >= 0 and granule >= 1, got {idle_bytes} and {granule}")
         self.idle_bytes = idle_bytes
         self.granule = granule
-        self._pieces: list[torch.Tensor] = []  # 1-D, oldest first; the pool's only references
+        self._pieces: list[torch.Tensor] = []  # 1-D, least recently taken first
         self._lock = threading.Lock()
         self.reused = 0
         self.allocated = 0
@@ -51,6 +48,9 @@ class KVMemory:
         `most` times that, else a new one; it stays the caller's while any view of it lives."""
         with self._lock:
             free = self._free(dtype)
+            if free is None:  # NOTE: this torch cannot tell what is free: allocate, keep no reference
+                self.allocated += 1
+                return torch.empty(numel, dtype=dtype)
             fits = [p for p in free if numel <= p.numel() <= most * numel]
             if fits:
                 piece = min(fits, key=lambda p: p.numel())
@@ -69,14 +69,14 @@ class KVMemory:
             return {"pieces": len(self._pieces), "bytes": sum(_nbytes(p) for p in self._pieces),
                     "reused": self.reused, "allocated": self.allocated}
 
-    def _free(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Pieces of `dtype` that nothing outside the pool views, oldest first."""
+    def _free(self, dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """Pieces of `dtype` that nothing outside the pool views, least recently taken first; None
+        where this torch has no storage use count (logged once by `compat.storage_users`)."""
+        if compat.storage_users(torch.empty(0)) is None:
+            return None
         free = []
         for p in self._pieces:
-            users = compat.storage_users(p)
-            if users is None:
-                return []  # NOTE: this torch cannot tell: never reuse (logged once by compat)
-            if users == 1 and p.dtype == dtype:
+            if compat.storage_users(p) == 1 and p.dtype == dtype:
                 free.append(p)
         return free
 
