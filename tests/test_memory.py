@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import threading
@@ -75,6 +76,16 @@ def test_without_a_storage_use_count_memory_is_never_reused(monkeypatch: pytest.
             memory.take(1000, torch.float32)
     assert memory.stats() == {"pieces": 0, "bytes": 0, "reused": 0, "allocated": 3}  # NOTE: nothing kept
     assert sum("not reused" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_copied_buffer_owns_its_tensors_and_shares_the_pool() -> None:
+    memory = KVMemory(64 * MB, granule=64)
+    buf = KVBuffer(2, 2, 30, 8, dtype=torch.float32, device=torch.device("cpu"), memory=memory)
+    buf.keys.fill_(1.0)
+    copied = copy.deepcopy(buf)
+    buf.keys.fill_(2.0)
+    assert bool((copied.keys == 1.0).all()) and not overlaps(copied.keys, buf.keys)
+    assert copied._memory is memory
 
 
 def test_threads_never_share_live_memory() -> None:

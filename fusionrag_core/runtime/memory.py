@@ -43,6 +43,10 @@ class KVMemory:
         self.reused = 0
         self.allocated = 0
 
+    def __deepcopy__(self, memo: dict[int, object]) -> KVMemory:
+        # NOTE: a pool is shared, like an allocator: a copied buffer takes from the same one
+        return self
+
     def take(self, numel: int, dtype: torch.dtype, *, most: float = 2.0) -> torch.Tensor:
         """`[numel]` uninitialised CPU memory: the smallest free piece of at least `numel` and at most
         `most` times that, else a new one; it stays the caller's while any view of it lives."""
