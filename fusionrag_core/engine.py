@@ -45,6 +45,7 @@ from fusionrag_core.recognise.content_index import Match
 from fusionrag_core.runtime import loading, threads
 from fusionrag_core.runtime.decoder import Decoder
 from fusionrag_core.runtime.kv import ChunkKV, Variant
+from fusionrag_core.runtime.memory import DEFAULT_IDLE_BYTES
 from fusionrag_core.serve.continuation import head_cache, kept_from, reopen, rest_of, settle, verified_head
 from fusionrag_core.serve.prefix_cache import KeptPrefix, PrefixCache, PrefixCacheConfig, ReusedRun
 from fusionrag_core.serve.scheduler import Pending, Scheduler, SchedulerConfig, Staged
@@ -119,7 +120,7 @@ class EngineConfig:
     audit_rate: float = 0.0
     compile_decode: bool = False
     packed_linears: bool = True
-    idle_kv_bytes: int = 512 << 20
+    idle_kv_bytes: int = DEFAULT_IDLE_BYTES
     scheduler: SchedulerConfig | None = field(default_factory=SchedulerConfig)
     prefix_cache: PrefixCacheConfig | None = field(default_factory=PrefixCacheConfig)
 

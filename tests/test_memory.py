@@ -127,8 +127,8 @@ def test_engine_answers_equal_with_memory_reused_or_not(tokenizer: PreTrainedTok
     taken is filled with NaN first: a slot read before a pass wrote it would poison the logits."""
     take = KVMemory.take
 
-    def poisoned(self: KVMemory, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return take(self, numel, dtype).fill_(float("nan"))
+    def poisoned(self: KVMemory, numel: int, dtype: torch.dtype, *, most: float = 2.0) -> torch.Tensor:
+        return take(self, numel, dtype, most=most).fill_(float("nan"))
 
     monkeypatch.setattr(KVMemory, "take", poisoned)
     engine = tiny_engine(tokenizer)

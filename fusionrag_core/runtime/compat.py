@@ -338,13 +338,17 @@ _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 _warned_use_count = threading.Event()
 
 
-def storage_users(t: torch.Tensor) -> int | None:
-    """How many tensors (`t` itself, its views) hold `t`'s storage, or None where this torch cannot tell."""
-    if _USE_COUNT is None:
-        if not _warned_use_count.is_set():
-            _warned_use_count.set()
-            log.warning("torch._C._storage_Use_Count is missing in torch %s: request K/V memory is not reused",
-                        torch.__version__)
-        return None
+def counts_storage_users() -> bool:
+    """Whether this torch can tell how many tensors hold a storage (`storage_users`); logs once when not."""
+    if _USE_COUNT is None and not _warned_use_count.is_set():
+        _warned_use_count.set()
+        log.warning("torch._C._storage_Use_Count is missing in torch %s: request K/V memory is not reused",
+                    torch.__version__)
+    return _USE_COUNT is not None
+
+
+def storage_users(t: torch.Tensor) -> int:
+    """How many tensors (`t` itself, its views) hold `t`'s storage; only where `counts_storage_users()`."""
+    assert _USE_COUNT is not None
     storage = t.untyped_storage()
     return int(_USE_COUNT(storage._cdata)) - 1  # NOTE: minus the Python storage object made here

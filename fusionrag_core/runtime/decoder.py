@@ -29,7 +29,7 @@ from fusionrag_core.errors import UnsupportedModelError
 from fusionrag_core.runtime import attention, compat
 from fusionrag_core.runtime.kv import KVBuffer
 from fusionrag_core.runtime.linear import LayerLinears, Linears
-from fusionrag_core.runtime.memory import KVMemory
+from fusionrag_core.runtime.memory import DEFAULT_IDLE_BYTES, KVMemory
 from fusionrag_core.runtime.rope import RopeTable, apply_rope, cos_sin
 
 # NOTE: passes this small attend in one masked call (see `_Pass.plan`).
@@ -101,7 +101,7 @@ class Decoder:
     """Runs a Llama-family transformers model layer by layer over a `KVBuffer`."""
 
     def __init__(self, model: PreTrainedModel, *, compile_decode: bool = False, packed_linears: bool = True,
-                 idle_kv_bytes: int = 512 << 20) -> None:
+                 idle_kv_bytes: int = DEFAULT_IDLE_BYTES) -> None:
         """Args:
             model: a Llama-family transformers model.
             compile_decode: compile each layer's MLP for one-token passes (see `EngineConfig`).

@@ -170,9 +170,7 @@ class KVBuffer:
         shape = (layers, kv_heads, capacity, head_dim)
         self._memory = memory if torch.device(device).type == "cpu" else None
         if self._memory is not None:
-            n = layers * kv_heads * capacity * head_dim
-            flat = self._memory.take(2 * n, dtype)  # [2n]: keys then values, one piece
-            self.keys, self.values = flat[:n].view(shape), flat[n:].view(shape)  # [L, H, S, D] each
+            self.keys, self.values = self._memory.take_pair(shape, dtype)  # [L, H, S, D] each, one piece
         else:
             self.keys = torch.empty(shape, dtype=dtype, device=device)  # [L, H, S, D]
             self.values = torch.empty_like(self.keys)  # [L, H, S, D]
@@ -222,15 +220,14 @@ class KVBuffer:
         rest of a larger piece of `KVMemory`)."""
         if not 0 < n <= self.length:
             raise ValueError(f"cannot keep {n} slots of a buffer holding {self.length}")
-        keys, values = self.keys[:, :, :n], self.values[:, :, :n]
-        per_token = 2 * self.keys[:, :, :1].numel() * self.keys.element_size()
-        if n * per_token >= KEEP_IN_PLACE_SHARE * storage_bytes(self.keys, self.values):
+        keys, values = self.keys[:, :, :n], self.values[:, :, :n]  # [L, H, n, D] views
+        if keys.nbytes + values.nbytes >= KEEP_IN_PLACE_SHARE * storage_bytes(self.keys, self.values):
             return keys, values
         if self._memory is None:
             return keys.clone(), values.clone()
-        m = keys.numel()
-        flat = self._memory.take(2 * m, keys.dtype, most=1.25)  # NOTE: compact: little more than it needs
-        return flat[:m].view(keys.shape).copy_(keys), flat[m:].view(values.shape).copy_(values)
+        # NOTE: compact: a piece little more than it needs
+        kept_keys, kept_values = self._memory.take_pair(tuple(keys.shape), keys.dtype, most=1.25)
+        return kept_keys.copy_(keys), kept_values.copy_(values)
 
     def slice(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K/V `[L, H, T, D]` at `slots`, for storing a chunk's part of a prefill."""

@@ -15,11 +15,14 @@ a stream being read) keeps it out of reuse without telling the pool.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
 
 from fusionrag_core.runtime import compat
+
+DEFAULT_IDLE_BYTES = 512 << 20
 
 
 class KVMemory:
@@ -67,6 +70,14 @@ class KVMemory:
             self._trim([p for p in free if p is not piece])
             return piece[:numel]
 
+    def take_pair(self, shape: tuple[int, ...], dtype: torch.dtype, *,
+                  most: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two uninitialised tensors of `shape` (keys, values) carved from one piece (`take`), so
+        one storage use count decides when both are free."""
+        n = math.prod(shape)
+        flat = self.take(2 * n, dtype, most=most)  # [2n]: keys then values
+        return flat[:n].view(shape), flat[n:].view(shape)
+
     def stats(self) -> dict[str, int]:
         """Pieces held, bytes held, and how many takes reused memory or allocated it."""
         with self._lock:
@@ -75,14 +86,10 @@ class KVMemory:
 
     def _free(self, dtype: torch.dtype) -> list[torch.Tensor] | None:
         """Pieces of `dtype` that nothing outside the pool views, least recently taken first; None
-        where this torch has no storage use count (logged once by `compat.storage_users`)."""
-        if compat.storage_users(torch.empty(0)) is None:
+        where this torch has no storage use count (logged once by `compat.counts_storage_users`)."""
+        if not compat.counts_storage_users():
             return None
-        free = []
-        for p in self._pieces:
-            if compat.storage_users(p) == 1 and p.dtype == dtype:
-                free.append(p)
-        return free
+        return [p for p in self._pieces if p.dtype == dtype and compat.storage_users(p) == 1]
 
     def _trim(self, free: list[torch.Tensor]) -> None:
         """Drop the oldest free pieces until the free ones hold at most `idle_bytes`."""
