@@ -10,7 +10,7 @@ state of a long-running server: the cache full, every new entry evicting an old 
 engine, over the conversations after `--warm`: TTFT medians of first turns and follow-ups, the
 follow-up / first-turn median ratio, and the memory's reuse counts.
 
-    python benchmarks/kv_memory.py --data musique_dev.jsonl --db /tmp/serving-db --conversations 24
+    python benchmarks/kv_memory.py --data musique_dev.jsonl --db serving-db --conversations 24
 """
 
 from __future__ import annotations
