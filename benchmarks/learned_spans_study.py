@@ -69,7 +69,7 @@ from fusionrag_core.query.drift import fusion_drift
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.reuse.learned import content_id
-from fusionrag_core.serve.prefix_cache import PrefixCacheConfig
+from fusionrag_core.batching.prefix_cache import PrefixCacheConfig
 from fusionrag_integrations.langchain import ChatFusionRAG
 from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.session import ReuseConfig, ReuseSession

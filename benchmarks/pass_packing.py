@@ -1,6 +1,6 @@
 """Would packing arriving requests' prepare passes into one pass pay? The products, measured.
 
-The scheduler (`fusionrag_core/serve/scheduler.py`) runs each arriving request's prepare — its
+The scheduler (`fusionrag_core/batching/scheduler.py`) runs each arriving request's prepare — its
 probe (the question's rows through most layers) and its recompute pass (the selected chunk tokens
 and the question) — as passes of its own between decode steps. Packing `k` of them into one pass
 would share what their products read (the weights) and nothing else: attention stays per request,

@@ -81,7 +81,7 @@ from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.query.selectors import DEFAULT_SELECTOR
 from fusionrag_core.recognise.marks import mark_chunk
 from fusionrag_core.runtime.compat import tokenize_plain
-from fusionrag_core.serve.scheduler import SchedulerConfig
+from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.store.base import KVStore
 
 SERVED: dict[str, Method] = {

@@ -46,9 +46,9 @@ from fusionrag_core.runtime import loading, threads
 from fusionrag_core.runtime.decoder import Decoder
 from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.runtime.memory import DEFAULT_IDLE_BYTES
-from fusionrag_core.serve.continuation import head_cache, kept_from, reopen, rest_of, settle, verified_head
-from fusionrag_core.serve.prefix_cache import KeptPrefix, PrefixCache, PrefixCacheConfig, ReusedRun
-from fusionrag_core.serve.scheduler import Pending, Scheduler, SchedulerConfig, Staged
+from fusionrag_core.batching.continuation import head_cache, kept_from, reopen, rest_of, settle, verified_head
+from fusionrag_core.batching.prefix_cache import KeptPrefix, PrefixCache, PrefixCacheConfig, ReusedRun
+from fusionrag_core.batching.scheduler import Pending, Scheduler, SchedulerConfig, Staged
 from fusionrag_core.store.codec import is_storable_chunk_id
 from fusionrag_core.store.tiered import TieredKVStore, TierStats
 
@@ -91,13 +91,13 @@ class EngineConfig:
             overhead, as gpt-fast does. Off by default: on CPU a step is bound by reading the
             weights and K/V, and compiling does not pay. The first step of each engine pays the
             compilation.
-        scheduler: how requests from several threads share the model (`fusionrag_core.serve.scheduler`):
+        scheduler: how requests from several threads share the model (`fusionrag_core.batching.scheduler`):
             one loop prepares arriving requests between decode steps and decodes every running
             request in one batched step. None: each request runs its own passes on its caller's
             thread (requests on several threads then contend for the cores).
         prefix_cache: keep every finished request's K/V (prompt and answer) so that a later prompt
             starting with the same tokens (the next turn of a conversation, an agent's next call)
-            continues from it (`fusionrag_core.serve.prefix_cache`); its reused chunk tokens stay
+            continues from it (`fusionrag_core.batching.prefix_cache`); its reused chunk tokens stay
             open to the new question's recompute. None: only the system prefix is memoised.
         packed_linears: on CPU, run the decoder's fp32 projections and vocabulary head (probe,
             recompute, prefills, decode steps) through oneDNN with weights packed once

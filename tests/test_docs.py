@@ -175,10 +175,10 @@ def _real_settings() -> dict[str, dict[str, Any]]:
     from fusionrag_core.ingest.distributed import RayConfig
     from fusionrag_core.query.sampling import SamplingConfig
     from fusionrag_core.query.select import SelectConfig
-    from fusionrag_core.serve.prefix_cache import PrefixCacheConfig
-    from fusionrag_core.serve.scheduler import SchedulerConfig
+    from fusionrag_core.batching.prefix_cache import PrefixCacheConfig
+    from fusionrag_core.batching.scheduler import SchedulerConfig
     from fusionrag_core.store.tiered import TierConfig
-    from fusionrag_integrations.server.config import ServerConfig
+    from fusionrag_integrations.openai_server.config import ServerConfig
 
     def defaults(cls: type) -> dict[str, Any]:
         out: dict[str, Any] = {}

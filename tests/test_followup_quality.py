@@ -26,7 +26,7 @@ from fusionrag_core.query.prompt import QUESTION_TEMPLATE
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.recognise.marks import mark_chunk
 from fusionrag_core.runtime.compat import tokenize_plain
-from fusionrag_core.serve.prefix_cache import PrefixCacheConfig
+from fusionrag_core.batching.prefix_cache import PrefixCacheConfig
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "musique_dev.jsonl"
 ROWS = 8

@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("store",),
     ("recognise",),
     ("query",),
-    ("serve",),
+    ("batching",),
     ("engine",),
     ("ingest",),
     ("reuse",),

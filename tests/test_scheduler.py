@@ -1,4 +1,4 @@
-"""The engine's continuous-batching scheduler (`fusionrag_core.serve.scheduler`): answers served
+"""The engine's continuous-batching scheduler (`fusionrag_core.batching.scheduler`): answers served
 together equal the serial engine's, each request keeps its own decoding state in a shared batch,
 a consumer that stops reading frees its slot, limits refuse or queue as configured, and one
 failing request fails alone.
@@ -28,7 +28,7 @@ from fusionrag_core.errors import CacheMismatchError, InvalidRequestError, Overl
 from fusionrag_core.query.constrained import Grammar
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.runtime.kv import ChunkKV, KVBuffer
-from fusionrag_core.serve.scheduler import SchedulerConfig
+from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.store import DiskKVStore
 from fusionrag_integrations.langchain import ChatFusionRAG, format_docs
 from tests.scheduling import (

@@ -50,7 +50,7 @@ from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_core.query.tools import InvalidToolCall, ToolCall, split_calls, tool_request
 from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGRetriever, format_docs
 from fusionrag_integrations.request import RequestOptions
-from fusionrag_integrations.server import ServerConfig, create_app
+from fusionrag_integrations.openai_server import ServerConfig, create_app
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
 from tests.http_server import running_app
 

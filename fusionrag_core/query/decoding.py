@@ -2,7 +2,7 @@
 decide when the answer ends.
 
 The engine drives it one step at a time for a request served alone, and the scheduler drives many
-of them with one batched model step (`fusionrag_core.serve.scheduler`): the same object decides
+of them with one batched model step (`fusionrag_core.batching.scheduler`): the same object decides
 tokens, text and the end in both, so the two only differ in how the logits are computed.
 """
 

@@ -17,7 +17,7 @@ import torch
 from fusionrag_core.query.prompt import FusionPrompt, Segment
 from fusionrag_core.query.stitch import CacheLookup, Stitched
 from fusionrag_core.runtime.kv import ChunkKV
-from fusionrag_core.serve.prefix_cache import KeptPrefix, ReusedRun
+from fusionrag_core.batching.prefix_cache import KeptPrefix, ReusedRun
 
 
 def verified_head(prompt: FusionPrompt, kept: KeptPrefix, n: int, lookup: CacheLookup) -> int:

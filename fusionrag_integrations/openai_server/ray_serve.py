@@ -44,8 +44,8 @@ from fusionrag_core.errors import FusionRAGError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest.distributed import start_local_cluster
 from fusionrag_core.paths import DEFAULT_COLLECTION
-from fusionrag_integrations.server.app import create_app
-from fusionrag_integrations.server.config import LOOPBACK, ServerConfig
+from fusionrag_integrations.openai_server.app import create_app
+from fusionrag_integrations.openai_server.config import LOOPBACK, ServerConfig
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
 
 logger = logging.getLogger(__name__)

@@ -13,11 +13,11 @@ from fusionrag_core.cli import Command, open_index, positive_int
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.paths import chroma_dir
-from fusionrag_integrations.server.config import API_KEY_ENV, LOOPBACK, ServerConfig
+from fusionrag_integrations.openai_server.config import API_KEY_ENV, LOOPBACK, ServerConfig
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
 
 if TYPE_CHECKING:
-    from fusionrag_integrations.server.ray_serve import RayServeOptions, ReplicaSpec
+    from fusionrag_integrations.openai_server.ray_serve import RayServeOptions, ReplicaSpec
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def replica_spec(args: argparse.Namespace, engine: Callable[[], FusionEngine], c
         )
     if args.chroma_url is None:
         logger.warning("no --chroma-url: the replicas serve without ingested caches (learned caches only)")
-    from fusionrag_integrations.server.ray_serve import ReplicaSpec
+    from fusionrag_integrations.openai_server.ray_serve import ReplicaSpec
 
     # NOTE: absolute: replicas run in other working directories (and on other machines).
     return ReplicaSpec(engine_factory=engine, data_dir=str(Path(args.db).expanduser().resolve()),
@@ -104,7 +104,7 @@ def ray_options(args: argparse.Namespace) -> RayServeOptions | None:
             if value is not None:
                 raise InvalidRequestError(f"{flag} needs --ray local|ADDRESS (one server otherwise)")
         return None
-    from fusionrag_integrations.server.ray_serve import RayServeOptions
+    from fusionrag_integrations.openai_server.ray_serve import RayServeOptions
 
     return RayServeOptions(address=args.ray, replicas=args.replicas or 2,
                            threads_per_replica=args.threads_per_replica or 1)
@@ -115,12 +115,12 @@ def run(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequ
     its replicas on Ray Serve."""
     import uvicorn
 
-    from fusionrag_integrations.server.app import create_app
+    from fusionrag_integrations.openai_server.app import create_app
 
     config = server_config(args)  # NOTE: checked before the model loads
     scale_out = ray_options(args)
     if scale_out is not None:
-        from fusionrag_integrations.server import ray_serve
+        from fusionrag_integrations.openai_server import ray_serve
 
         ray_serve.serve_until_interrupted(replica_spec(args, engine, config), scale_out)
         return 0

@@ -4,7 +4,7 @@
 * `ServerConfig`: where it listens, its API key and limits (config.py).
 """
 
-from fusionrag_integrations.server.app import create_app
-from fusionrag_integrations.server.config import ServerConfig
+from fusionrag_integrations.openai_server.app import create_app
+from fusionrag_integrations.openai_server.config import ServerConfig
 
 __all__ = ["ServerConfig", "create_app"]

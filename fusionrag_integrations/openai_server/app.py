@@ -37,10 +37,10 @@ from fusionrag_core.query.tools import InvalidToolCall, ToolCall, split_calls
 from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_integrations.fields import bound_tools
 from fusionrag_integrations.request import RequestOptions
-from fusionrag_integrations.server.admission import Admission, QueueFullError
-from fusionrag_integrations.server.config import ServerConfig
-from fusionrag_integrations.server.metrics import Metrics
-from fusionrag_integrations.server.protocol import (
+from fusionrag_integrations.openai_server.admission import Admission, QueueFullError
+from fusionrag_integrations.openai_server.config import ServerConfig
+from fusionrag_integrations.openai_server.metrics import Metrics
+from fusionrag_integrations.openai_server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Envelope,
