@@ -22,10 +22,10 @@ import psutil
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fusionrag_core.batching.continuation import head_cache, kept_from, reopen, rest_of, settle, verified_head
+from fusionrag_core.batching.prefix_cache import KeptPrefix, PrefixCache, PrefixCacheConfig, ReusedRun
+from fusionrag_core.batching.scheduler import Pending, Scheduler, SchedulerConfig, Staged
 from fusionrag_core.errors import (
-    CacheCorruptError,
-    CacheMismatchError,
-    CacheNotFoundError,
     ContextLengthError,
     InvalidRequestError,
 )
@@ -33,24 +33,21 @@ from fusionrag_core.query import audit as audit_lib
 from fusionrag_core.query.audit import Auditor, AuditResult
 from fusionrag_core.query.bad_blobs import BadBlobs
 from fusionrag_core.query.decoding import Decoding
+from fusionrag_core.query.lookup import ChunkLookup, ModelKV, no_caches
 from fusionrag_core.query.prefill import prefill_chunk, prefill_chunks, prefill_prefix
 from fusionrag_core.query.prompt import DEFAULT_INSTRUCTION, FusionPrompt, PromptLayout
 from fusionrag_core.query.recompute import SparsePass, run_passes, sparse_pass
 from fusionrag_core.query.sampling import Sampler, SamplingConfig, TextAssembler
 from fusionrag_core.query.select import SelectConfig, get_selector, probe_for
 from fusionrag_core.query.selectors import DEFAULT_SELECTOR
-from fusionrag_core.query.stitch import CacheLookup, CacheMiss, Stitched, prefetch, stitch
+from fusionrag_core.query.stitch import CacheLookup, Stitched, prefetch, stitch
 from fusionrag_core.query.tools import ToolCallFormat, ToolRequest
 from fusionrag_core.recognise.content_index import Match
 from fusionrag_core.runtime import loading, threads
 from fusionrag_core.runtime.decoder import Decoder
 from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.runtime.memory import DEFAULT_IDLE_BYTES
-from fusionrag_core.batching.continuation import head_cache, kept_from, reopen, rest_of, settle, verified_head
-from fusionrag_core.batching.prefix_cache import KeptPrefix, PrefixCache, PrefixCacheConfig, ReusedRun
-from fusionrag_core.batching.scheduler import Pending, Scheduler, SchedulerConfig, Staged
-from fusionrag_core.store.codec import is_storable_chunk_id
-from fusionrag_core.store.tiered import TieredKVStore, TierStats
+from fusionrag_core.store.tiered import TierStats
 
 if TYPE_CHECKING:
     from fusionrag_core.store.base import KVStore
@@ -448,6 +445,11 @@ class FusionEngine:
     def kv_shape(self) -> tuple[int, int, int]:
         return self.decoder.kv_shape
 
+    @property
+    def model_kv(self) -> ModelKV:
+        """What a chunk cache must match to be used with this engine, and where it is loaded."""
+        return ModelKV(self.fingerprint, self.kv_shape, self.device, self.decoder.dtype)
+
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
         for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
@@ -561,67 +563,6 @@ class FusionEngine:
         return prefill_chunks(self.decoder, prefix, [t.to(self.device) for t in token_ids], self.fingerprint,
                               neighbours)
 
-    def _lookup(
-        self, caches: Mapping[str, ChunkKV] | None, variant: Variant, store: KVStore | None, *, exact_first: bool
-    ) -> tuple[CacheLookup, TierStats, dict[str, str]]:
-        """Chunk id -> cache: `caches` first, then `store` (the variant order: see the NOTE below),
-        this request's loads by tier (device / host tier of a `TieredKVStore`, or the store), and
-        its fallbacks (chunk id -> why another variant than the preferred one was reused).
-
-        `exact_first`: the prompt's prefix is the one chunk caches are computed after, so the first
-        chunk's independent cache is exactly what full attention computes there.
-        """
-        tiers, tiers_lock = TierStats(), threading.Lock()  # NOTE: this request's loads; prefetch threads add
-        fallbacks: dict[str, str] = {}
-
-        def load(chunk_id: str, v: Variant) -> ChunkKV:
-            assert store is not None
-            if isinstance(store, TieredKVStore):
-                kv, tier = store.get_tiered(chunk_id, v, fingerprint=self.fingerprint, shape=self.kv_shape,
-                                            device=self.device, dtype=self.decoder.dtype)
-            else:
-                kv, tier = store.get(chunk_id, v, fingerprint=self.fingerprint, shape=self.kv_shape,
-                                     device=self.device, dtype=self.decoder.dtype), "store"
-            with tiers_lock:
-                tiers.add(tier, kv.nbytes)
-            return kv
-
-        def lookup(chunk_id: str, first: bool) -> ChunkKV | CacheMiss | None:
-            if caches is not None and chunk_id in caches:
-                kv = caches[chunk_id]
-                kv.validate(fingerprint=self.fingerprint, shape=self.kv_shape)
-                return kv
-            if store is None or not is_storable_chunk_id(chunk_id):
-                return None  # NOTE: an id no store can hold has no cache: stitch reports it as a miss
-            # NOTE: a fused cache is preferred; the independent one is the next best thing, and the
-            # best one for the first chunk (see EngineConfig.exact_first_chunk).
-            order: tuple[Variant, ...] = (variant,)
-            if variant == "fused":
-                order = ("independent", "fused") if first and exact_first else ("fused", "independent")
-            miss: CacheMiss | None = None
-            passed_over = ""  # NOTE: why the preferred variant was not reused
-            for v in order:
-                try:
-                    kv = load(chunk_id, v)
-                except CacheNotFoundError:
-                    # NOTE: a delete withdraws the fused caches built on the chunk it deletes.
-                    why = " (not fused yet, or withdrawn until re-fused: a neighbour is gone)" if v == "fused" else ""
-                    passed_over = passed_over or f"no {v} cache stored{why}"
-                    continue
-                except (CacheCorruptError, CacheMismatchError) as e:
-                    # NOTE: a bad blob is an absent blob (next variant, else prefill), never a failed query.
-                    reported = self._bad_blobs.miss(store, chunk_id, v, e)
-                    miss = miss or reported
-                    passed_over = passed_over or reported.reason
-                    continue
-                if v != order[0]:
-                    with tiers_lock:
-                        fallbacks[chunk_id] = f"{passed_over}: reused the {v} cache"
-                return kv
-            return miss
-
-        return lookup, tiers, fallbacks
-
     # ---- generation ------------------------------------------------------------------------------
     def generate(
         self,
@@ -673,11 +614,11 @@ class FusionEngine:
         select_fn = get_selector(name)
         self._check_length(prompt, sampling)
         exact_first = self.config.exact_first_chunk and torch.equal(prompt.prefix.cpu(), self._canonical_prefix)
-        lookup, tiers, fallbacks = self._lookup(caches, variant or self.config.cache_variant, store,
-                                                exact_first=exact_first)
+        lookup = ChunkLookup(self.model_kv, caches=caches, store=store, variant=variant or self.config.cache_variant,
+                             exact_first=exact_first, bad_blobs=self._bad_blobs)
         return GenerationStream(self._run(prompt, sampling, name, select_fn, select_config, lookup,
-                                          in_memory=caches or (), learn=learn, tiers=tiers, fallbacks=fallbacks,
-                                          audit=self.auditor.should_audit()))
+                                          in_memory=caches or (), learn=learn, tiers=lookup.tiers,
+                                          fallbacks=lookup.fallbacks, audit=self.auditor.should_audit()))
 
     def full_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None) -> GenerationStream:
         """The baseline: a plain prefill of every prompt token from position 0, no cache reused."""
@@ -685,7 +626,7 @@ class FusionEngine:
         self._check_length(prompt, sampling)
         return GenerationStream(
             self._run(prompt, sampling, "full_attention", get_selector("none"), self.config.select,
-                      lambda _id, _first: None, use_prefix=False)
+                      no_caches, use_prefix=False)
         )
 
     def _check_length(self, prompt: FusionPrompt, sampling: SamplingConfig) -> None:
