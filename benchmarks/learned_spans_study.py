@@ -57,6 +57,7 @@ from typing import Any
 import torch
 from langchain_core.messages import AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
 
+from fusionrag_core.batching.prefix_cache import PrefixCacheConfig
 from fusionrag_core.bench.data import BenchRow, load_rows
 from fusionrag_core.bench.methods import METHODS
 from fusionrag_core.bench.runner import row_passages
@@ -69,7 +70,6 @@ from fusionrag_core.query.drift import fusion_drift
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.reuse.learned import content_id
-from fusionrag_core.batching.prefix_cache import PrefixCacheConfig
 from fusionrag_integrations.langchain import ChatFusionRAG
 from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
@@ -397,8 +397,8 @@ def second_ask_study(engine: FusionEngine, rows: Sequence[BenchRow], contexts: S
     pair's first ask is kept when the second comes (what a user asking twice meets).
     """
     def forget() -> None:
-        if engine.kept_prefixes is not None:
-            engine.kept_prefixes.clear()
+        if engine.prefix_cache is not None:
+            engine.prefix_cache.clear()
 
     def model(name: str) -> ChatFusionRAG:
         return ChatFusionRAG(engine=engine, max_tokens=args.answer_tokens, learned_dir=str(root / name))

@@ -96,7 +96,7 @@ def stitched(engine: FusionEngine, prompt: Any, caches: dict[str, Any] | None) -
     if caches is None:  # full attention: nothing reused, every token forced (what `full_attention` runs)
         flat = FusionPrompt(prompt.prefix[:0], (), prompt.token_ids())
         return stitch(engine.decoder, flat, None, lambda _c, _f: None, extra_capacity=1)
-    prefix = engine.prefix_cache(prompt.prefix)
+    prefix = engine.system_prefix(prompt.prefix)
     return stitch(engine.decoder, prompt, prefix, lambda cid, _first: caches.get(cid), extra_capacity=1)
 
 

@@ -70,7 +70,7 @@ def stitched(engine: FusionEngine, prompt: Any, caches: dict[str, tuple[ChunkKV,
         pair = caches.get(cid)
         return None if pair is None else pair[0 if first else 1]
 
-    return stitch(engine.decoder, prompt, engine.prefix_cache(prompt.prefix), lookup,
+    return stitch(engine.decoder, prompt, engine.system_prefix(prompt.prefix), lookup,
                   extra_capacity=extra_capacity, exact_prefix=True)
 
 

@@ -52,9 +52,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from fusionrag_core.data import load_sample_questions, sample_corpus_dir
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.index import FusionIndex
-from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.openai_server import ServerConfig, create_app
 from fusionrag_integrations.openai_server.protocol import ChatCompletionRequest, usage
+from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
 
 LOOPBACK = "127.0.0.1"

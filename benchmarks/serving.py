@@ -69,6 +69,7 @@ from typing import Any
 import torch
 from matplotlib.figure import Figure
 
+from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.bench.data import BenchRow, load_rows
 from fusionrag_core.bench.methods import FULL_ATTENTION, METHODS, Method
 from fusionrag_core.bench.runner import ANSWER_STOP, _check_caches, _check_fits, _chunk_records, _doc_ids, row_passages
@@ -81,7 +82,6 @@ from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.query.selectors import DEFAULT_SELECTOR
 from fusionrag_core.recognise.marks import mark_chunk
 from fusionrag_core.runtime.compat import tokenize_plain
-from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.store.base import KVStore
 
 SERVED: dict[str, Method] = {

@@ -55,7 +55,7 @@ def phases(engine: FusionEngine, prompt: Any, caches: dict[str, Any], selector: 
     """(select, recompute) seconds of one request, run as `FusionEngine` runs them."""
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     exact = torch.equal(prompt.prefix.cpu(), engine.layout.prefix_ids(engine.config.instruction))
-    st = stitch(engine.decoder, prompt, engine.prefix_cache(prompt.prefix), lambda cid, _first: caches.get(cid),
+    st = stitch(engine.decoder, prompt, engine.system_prefix(prompt.prefix), lambda cid, _first: caches.get(cid),
                 extra_capacity=1, exact_prefix=exact)
     cfg = SelectConfig(ratio)
     sync()

@@ -54,7 +54,7 @@ def phases(engine: FusionEngine, prompt: Any, caches: dict[str, Any], ratio: flo
     """One timed run of stitch / probe / recompute (seconds), as `FusionEngine` runs them."""
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     t0 = clocks()
-    prefix = engine.prefix_cache(prompt.prefix)
+    prefix = engine.system_prefix(prompt.prefix)
     st = stitch(engine.decoder, prompt, prefix, lambda cid, _first: caches.get(cid), extra_capacity=1)
     sync()
     t1 = clocks()

@@ -59,3 +59,8 @@ class ReadOnlyError(FusionRAGError):
 class OverloadedError(FusionRAGError):
     """The engine's scheduler cannot take the request: its waiting queue is full, or the request's KV
     alone exceeds the running requests' byte budget (the message names the limit to raise)."""
+
+
+class AccountingError(FusionRAGError, AssertionError):
+    """The engine's token accounting of a request does not add up: a defect in the engine, never the
+    caller's. An AssertionError too, raised explicitly: it is checked under `python -O` as well."""

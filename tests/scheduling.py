@@ -13,10 +13,11 @@ from typing import TypeVar
 import pytest
 import torch
 
+from fusionrag_core.batching.loop import BatchLoop
+from fusionrag_core.batching.scheduler import Scheduler, SchedulerConfig
 from fusionrag_core.engine import EngineConfig, FusionEngine, Generation, GenerationStream
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.runtime.kv import ChunkKV, KVBuffer
-from fusionrag_core.batching.scheduler import Scheduler, SchedulerConfig
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -68,10 +69,10 @@ def engine_like(engine: FusionEngine, scheduler: SchedulerConfig | None) -> Fusi
 def use_scheduler(engine: FusionEngine, config: SchedulerConfig, monkeypatch: pytest.MonkeyPatch) -> Scheduler:
     """Give `engine` a fresh scheduler with `config` for this test (its KV budget: `config`'s, else the
     engine's current one); cheaper than a second engine, which packs its own copy of the weights."""
-    assert engine.scheduler is not None
+    assert engine.scheduler is not None and engine.loop is not None
     budget = config.kv_budget_bytes if config.kv_budget_bytes is not None else engine.scheduler.kv_budget_bytes
-    scheduler = Scheduler(engine.decoder, config, budget)
-    monkeypatch.setattr(engine, "scheduler", scheduler)
+    scheduler = Scheduler(config, budget)
+    monkeypatch.setattr(engine, "loop", BatchLoop(scheduler, engine.loop.runner))
     return scheduler
 
 

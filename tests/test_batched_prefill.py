@@ -28,7 +28,7 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 def test_packed_prefill_equals_one_at_a_time(engine: FusionEngine) -> None:
     chunks = [_ids(n, seed) for seed, n in enumerate((7, 12, 5, 9, 1))]
     independent = [engine.chunk_cache(c) for c in chunks]
-    prefix = engine.prefix_cache(engine.layout.prefix_ids(engine.config.instruction))
+    prefix = engine.system_prefix(engine.layout.prefix_ids(engine.config.instruction))
     # NOTE: mixed lengths and neighbour counts, a chunk without neighbours among fused ones, and a
     # neighbour shared by several chunks: each packed chunk must see only its own context.
     neighbours = [[independent[1], independent[2]], [], [independent[0]], independent[:4][::-1], [independent[3]]]

@@ -169,14 +169,14 @@ ROW = re.compile(r"^\| `([A-Z][\w.]*)` \| (.+?) \| (.*?) \|", flags=re.MULTILINE
 
 def _real_settings() -> dict[str, dict[str, Any]]:
     """Entry point -> setting -> default (inspect.Parameter.empty when required)."""
+    from fusionrag_core.batching.prefix_cache import PrefixCacheConfig
+    from fusionrag_core.batching.scheduler import SchedulerConfig
     from fusionrag_core.engine import EngineConfig
     from fusionrag_core.index import FusionIndex
     from fusionrag_core.ingest.config import IngestConfig
     from fusionrag_core.ingest.distributed import RayConfig
     from fusionrag_core.query.sampling import SamplingConfig
     from fusionrag_core.query.select import SelectConfig
-    from fusionrag_core.batching.prefix_cache import PrefixCacheConfig
-    from fusionrag_core.batching.scheduler import SchedulerConfig
     from fusionrag_core.store.tiered import TierConfig
     from fusionrag_integrations.openai_server.config import ServerConfig
 

@@ -171,7 +171,7 @@ def test_a_chunk_alone_in_its_corpus_has_no_drift(engine: FusionEngine, tmp_path
 
 def _stitched(engine: FusionEngine, caches: dict[str, ChunkKV]) -> Stitched:
     prompt = prompt_for(engine, CHUNKS)
-    return stitch(engine.decoder, prompt, engine.prefix_cache(prompt.prefix), lambda cid, _first: caches.get(cid),
+    return stitch(engine.decoder, prompt, engine.system_prefix(prompt.prefix), lambda cid, _first: caches.get(cid),
                   extra_capacity=1)
 
 

@@ -218,7 +218,7 @@ def test_layer0_keys_shift_to_where_they_would_be_computed(tiny_engine: FusionEn
 def _stitched(engine: FusionEngine, chunks: list[str], caches: dict[str, object] | None = None):  # type: ignore[no-untyped-def]
     prompt = prompt_for(engine, chunks)
     caches = caches or independent_caches(engine, chunks)
-    return stitch(engine.decoder, prompt, engine.prefix_cache(prompt.prefix), lambda cid, _first: caches.get(cid),
+    return stitch(engine.decoder, prompt, engine.system_prefix(prompt.prefix), lambda cid, _first: caches.get(cid),
                   extra_capacity=1)
 
 

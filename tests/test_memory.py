@@ -142,7 +142,7 @@ def test_engine_answers_equal_with_memory_reused_or_not(tokenizer: PreTrainedTok
         torch.testing.assert_close(reused.first_token_logits, plain.first_token_logits, rtol=0, atol=0)
     assert engine.decoder.memory is not None and engine.decoder.memory.stats()["reused"] > 0
     assert fresh.decoder.memory is None  # NOTE: idle_kv_bytes=0: every buffer allocated afresh
-    kept = engine.kept_prefixes
+    kept = engine.prefix_cache
     assert kept is not None and kept.stats()["prefix_entries"] > 0
     entries = list(kept._device.values())
     buf = engine.decoder.new_buffer(64)

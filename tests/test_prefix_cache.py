@@ -20,13 +20,13 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerBase
 
-import fusionrag_core.engine as engine_module
+import fusionrag_core.batching.phases as phases_module
+from fusionrag_core.batching.prefix_cache import KeptPrefix, PrefixCache, PrefixCacheConfig
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.runtime.kv import KEEP_IN_PLACE_SHARE, ChunkKV, storage_bytes
-from fusionrag_core.batching.prefix_cache import KeptPrefix, PrefixCache, PrefixCacheConfig
 
 DOCS = {
     "lumen": "The Lumen lighthouse on Gull Point was designed by the engineer Ada Vell in 1891. Its lamp is red.",
@@ -189,7 +189,7 @@ def _turns(engine: FusionEngine, conversation: tuple[list[str], str, str],
 def _first_turn(kept: FusionEngine, conversation: tuple[list[str], str, str],
                 fused: dict[str, ChunkKV]) -> tuple[FusionPrompt, Generation, FusionPrompt]:
     """On an emptied prefix cache: the first turn's prompt, its FusionRAG answer, the follow-up's prompt."""
-    kept.kept_prefixes.clear()  # type: ignore[union-attr]
+    kept.prefix_cache.clear()  # type: ignore[union-attr]
     one, _ = _turns(kept, conversation, None)
     first = kept.generate(one, sampling=SAMPLING, caches=fused)
     _, two = _turns(kept, conversation, first)
@@ -199,7 +199,7 @@ def _first_turn(kept: FusionEngine, conversation: tuple[list[str], str, str],
 
 def test_full_attention_continued_equals_full_attention(engines: tuple[FusionEngine, FusionEngine]) -> None:
     kept, fresh = engines
-    kept.kept_prefixes.clear()  # type: ignore[union-attr]
+    kept.prefix_cache.clear()  # type: ignore[union-attr]
     for conversation in CONVERSATIONS[:2]:
         one, _ = _turns(kept, conversation, None)
         first = kept.full_attention(one, sampling=SAMPLING).collect()
@@ -218,7 +218,7 @@ def test_a_fusionrag_follow_up_continues_and_recomputes_less_than_a_fresh_one(
     """How it is answered; how well (first-token KL against full attention, no worse than a fresh
     request's) is measured on the benchmark's shared-corpus rows: tests/test_followup_quality.py."""
     kept, fresh = engines
-    kept.kept_prefixes.clear()  # type: ignore[union-attr]
+    kept.prefix_cache.clear()  # type: ignore[union-attr]
     for conversation in CONVERSATIONS:
         one, _ = _turns(kept, conversation, None)
         first = kept.generate(one, sampling=SAMPLING, caches=fused)
@@ -241,7 +241,7 @@ def test_a_finished_request_is_kept_in_its_own_buffer_unless_it_used_little_of_i
     memory; else (a generation budget it mostly did not use, a larger piece of reused memory) they
     are copied compact, so an entry never holds much more than its tokens."""
     kept, _ = engines
-    cache = kept.kept_prefixes
+    cache = kept.prefix_cache
     assert cache is not None
     for sampling in (SAMPLING, SamplingConfig(max_new_tokens=4096, stop=("\n",))):
         cache.clear()
@@ -272,11 +272,11 @@ def test_a_follow_up_recomputes_only_what_its_first_turn_did_not(
     token it recomputes was one the first turn left as reused."""
     kept, _ = engines
     one, _, two = _first_turn(kept, CONVERSATIONS[0], fused)
-    found = kept.kept_prefixes.match(two.token_ids(), two.num_tokens - 1)  # type: ignore[union-attr]
+    found = kept.prefix_cache.match(two.token_ids(), two.num_tokens - 1)  # type: ignore[union-attr]
     assert found is not None
     seen: list[torch.Tensor] = []
-    sparse_pass = engine_module.sparse_pass
-    monkeypatch.setattr(engine_module, "sparse_pass",
+    sparse_pass = phases_module.sparse_pass
+    monkeypatch.setattr(phases_module, "sparse_pass",
                         lambda st, selected: (seen.append(selected.cpu()), sparse_pass(st, selected))[1])
     continued = kept.generate(two, sampling=SAMPLING, caches=fused)
     (selected,) = seen
@@ -327,13 +327,13 @@ def test_the_same_prompt_again_is_answered_from_its_kept_k_v(
     attention, never reads that entry: each is answered as afresh; so is the repeat without
     `shared_documents`."""
     default, _ = engines
-    default.kept_prefixes.clear()  # type: ignore[union-attr]
+    default.prefix_cache.clear()  # type: ignore[union-attr]
     one, _ = _turns(default, CONVERSATIONS[2], None)
     default.generate(one, sampling=SAMPLING, caches=fused)
     afresh = default.generate(one, sampling=SAMPLING, caches=fused)
     assert afresh.prefix_cached_tokens <= int(one.prefix.shape[0]) and afresh.recomputed_tokens > 0
     kept = sharing
-    kept.kept_prefixes.clear()  # type: ignore[union-attr]
+    kept.prefix_cache.clear()  # type: ignore[union-attr]
     first = kept.generate(one, sampling=SAMPLING, caches=fused)
     again = kept.generate(one, sampling=SAMPLING, caches=fused)
     assert (again.recomputed_tokens, again.prefilled_tokens) == (0, 1)
@@ -356,7 +356,7 @@ def test_another_question_over_the_same_documents_continues_them(
     selects its own."""
     _, fresh = engines
     kept = sharing
-    kept.kept_prefixes.clear()  # type: ignore[union-attr]
+    kept.prefix_cache.clear()  # type: ignore[union-attr]
     names, question, follow_up = CONVERSATIONS[0]
     one, _ = _turns(kept, (names, question, follow_up), None)
     kept.generate(one, sampling=SAMPLING, caches=fused)
@@ -418,7 +418,7 @@ def test_a_chat_follow_up_continues_its_first_turn_in_both_frameworks(
     from fusionrag_integrations.llama_index import FusionRAGLLM
 
     kept, _ = engines
-    kept.kept_prefixes.clear()  # type: ignore[union-attr]
+    kept.prefix_cache.clear()  # type: ignore[union-attr]
     context = "\n\n".join(DOCS.values())
     first_question = f"Context:\n{context}\n\nWho designed the Lumen lighthouse?"
     chat = ChatFusionRAG(engine=kept, max_tokens=8, learn=False)

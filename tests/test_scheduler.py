@@ -23,12 +23,12 @@ from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage
 from langchain_core.prompts import ChatPromptTemplate
 
+from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.engine import EngineConfig, FusionEngine, Generation
 from fusionrag_core.errors import CacheMismatchError, InvalidRequestError, OverloadedError
 from fusionrag_core.query.constrained import Grammar
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.runtime.kv import ChunkKV, KVBuffer
-from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.store import DiskKVStore
 from fusionrag_integrations.langchain import ChatFusionRAG, format_docs
 from tests.scheduling import (
@@ -440,15 +440,15 @@ def test_a_full_waiting_queue_refuses_one_more_and_serves_the_queued_ones(
     threads = [threading.Thread(target=lambda i=i: answers.update({i: llama_requests[i].answer(llama)}))
                for i in (1, 2)]
     submitted = threading.Semaphore(0)  # NOTE: released once by each of `threads` when its request is queued
-    submit = scheduler.submit
+    add = scheduler.add
 
-    def counted_submit(*args: Any, **kwargs: Any) -> Any:
-        ticket = submit(*args, **kwargs)
+    def counted_add(*args: Any, **kwargs: Any) -> Any:
+        added = add(*args, **kwargs)
         if threading.current_thread() in threads:
             submitted.release()
-        return ticket
+        return added
 
-    monkeypatch.setattr(scheduler, "submit", counted_submit)
+    monkeypatch.setattr(scheduler, "add", counted_add)
 
     def fill_the_queue() -> None:
         """Runs while the leader prepares its own request: two requests queue, a third is refused."""

@@ -142,7 +142,7 @@ def test_probe_depths_move_to_a_full_attention_layer() -> None:
 
 def _exact_stitched(engine: FusionEngine, caches: dict[str, object], *, exact_prefix: bool) -> Stitched:
     prompt = prompt_for(engine, CHUNKS)
-    return stitch(engine.decoder, prompt, engine.prefix_cache(prompt.prefix), lambda cid, _first: caches.get(cid),
+    return stitch(engine.decoder, prompt, engine.system_prefix(prompt.prefix), lambda cid, _first: caches.get(cid),
                   extra_capacity=1, exact_prefix=exact_prefix)
 
 

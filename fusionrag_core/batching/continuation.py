@@ -14,10 +14,45 @@ from __future__ import annotations
 
 import torch
 
+from fusionrag_core.batching.prefix_cache import KeptPrefix, PrefixCache, ReusedRun
 from fusionrag_core.query.prompt import FusionPrompt, Segment
 from fusionrag_core.query.stitch import CacheLookup, Stitched
 from fusionrag_core.runtime.kv import ChunkKV
-from fusionrag_core.batching.prefix_cache import KeptPrefix, ReusedRun
+
+
+def continued_head(cache: PrefixCache | None, prompt: FusionPrompt, lookup: CacheLookup, *, exact_only: bool,
+                   selection: tuple[str, float | None]) -> tuple[KeptPrefix | None, int, bool]:
+    """The kept prefix `prompt` continues, how many of its tokens (all but the last at most;
+    `exact_only`: within the entry's exact head), and whether the prompt repeats the entry's own;
+    or (None, 0, False).
+
+    A later turn (the prompt holds the entry's whole prompt) continues all it shares. Any other
+    prompt continues only with `PrefixCacheConfig.shared_documents`, and only an entry its own
+    `selection` (selector, ratio) computed, so a method compared with another on one prompt never
+    reads the other's K/V: the same prompt again is answered from the K/V as kept (that selection
+    computed them for this very question, so nothing is selected anew: the first time's
+    first-token logits); a prompt sharing the entry's documents, maybe part of its question,
+    continues up to its own question, which its selection reads whole, as a fresh request's does.
+    """
+    if cache is None:
+        return None, 0, False
+    found = cache.match(prompt.token_ids(), prompt.num_tokens - 1)
+    kept, n = found if found is not None else (None, 0)
+    repeat = False
+    if kept is not None:
+        n = min(n, kept.exact_tokens) if exact_only else verified_head(prompt, kept, n, lookup)
+        if n < kept.prompt_tokens:
+            same = (cache.config.shared_documents and not exact_only
+                    and (kept.selector, kept.ratio) == selection)
+            repeat = same and n == prompt.num_tokens - 1 == kept.prompt_tokens - 1
+            if not repeat:
+                n = min(n, prompt.num_tokens - int(prompt.question.shape[0])) if same else 0
+        # NOTE: a head within the system prefix is the memoised prefix's to serve (with the exact
+        # first chunk after it); a kept entry is continued for shared documents or earlier turns
+        if n < cache.config.min_tokens or (n <= int(prompt.prefix.shape[0]) and n < kept.prompt_tokens):
+            kept, n, repeat = None, 0, False
+    cache.served(n)
+    return kept, n, repeat
 
 
 def verified_head(prompt: FusionPrompt, kept: KeptPrefix, n: int, lookup: CacheLookup) -> int:
@@ -185,4 +220,4 @@ def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(edges[0::2], edges[1::2], strict=True))
 
 
-__all__ = ["head_cache", "kept_from", "reopen", "rest_of", "settle", "verified_head"]
+__all__ = ["continued_head", "head_cache", "kept_from", "reopen", "rest_of", "settle", "verified_head"]

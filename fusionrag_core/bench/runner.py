@@ -220,7 +220,7 @@ def run_benchmark(
     ef = embedding_function if embedding_function is not None else chroma.default_embedding_function()
     sampling = SamplingConfig(max_new_tokens=config.max_new_tokens, stop=ANSWER_STOP)
     plan = config.plan()
-    if engine.kept_prefixes is not None:
+    if engine.prefix_cache is not None:
         # NOTE: every method answers the same prompt: a request must not continue another's K/V
         engine = engine.with_config(dataclasses.replace(engine.config, prefix_cache=None))
     passages = [row_passages(row, engine, config.max_passage_tokens) for row in rows]

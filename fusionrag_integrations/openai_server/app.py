@@ -36,7 +36,6 @@ from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.tools import InvalidToolCall, ToolCall, split_calls
 from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_integrations.fields import bound_tools
-from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.openai_server.admission import Admission, QueueFullError
 from fusionrag_integrations.openai_server.config import ServerConfig
 from fusionrag_integrations.openai_server.metrics import Metrics
@@ -50,6 +49,7 @@ from fusionrag_integrations.openai_server.protocol import (
     tool_call_dict,
     usage,
 )
+from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.session import ReuseSession
 
 logger = logging.getLogger(__name__)

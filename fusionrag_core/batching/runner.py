@@ -1,0 +1,155 @@
+"""The runner: executes a `StepPlan` on the model, one phase at a time, and reports a `StepOutput`.
+
+    dropped ─► end
+    admit   ─► stitch each ─► probe (one pass) ─► select each ─► recompute (one pass) ─► first token each
+    decode  ─► one batched decode step ─► next token each
+
+A request's failure stays its own: a phase that fails for one request fails that request alone,
+and a packed pass that fails (say out of memory) is logged and its requests run it one at a time.
+
+`run_alone` is the same phases for one request without a scheduler, on its caller's thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator, Sequence
+
+from fusionrag_core.batching import phases
+from fusionrag_core.batching.phases import Shared
+from fusionrag_core.batching.request import Phase, Request
+from fusionrag_core.batching.scheduler import StepOutput, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+class Runner:
+    """Runs the scheduler's plans on `shared.decoder`; holds no request between two steps."""
+
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        """Execute `plan`; every request that ended in it is in the output's `left`."""
+        left: list[Request] = []
+        for r in plan.dropped:
+            r.finish()
+            left.append(r)
+        started, packs = self._admit(plan.admit, left)
+        rows = 0
+        if plan.step:
+            rows = self._decode([r for r in (*plan.decode, *started) if r.phase is Phase.DECODING], left)
+        return StepOutput(left=tuple(left), decoded_rows=rows, packs=tuple(packs))
+
+    # ---- admissions --------------------------------------------------------------------------------------
+    def _admit(self, admit: Sequence[Request], left: list[Request]) -> tuple[list[Request], list[int]]:
+        """Take the admitted requests up to their first token; returns those decoding on, and the
+        sizes of the last passes run."""
+        stitch = functools.partial(phases.stitch_request, shared=self.shared)
+        stitched = [r for r in admit if self._try(stitch, r, left)]
+        self._probe(stitched)
+        selected = [r for r in stitched if self._try(phases.select, r, left)]
+        packs = self._recompute(selected, left)
+        start = functools.partial(phases.start_decoding, shared=self.shared)
+        started: list[Request] = []
+        for r in selected:
+            if r.phase is Phase.RECOMPUTED and self._try(start, r, left):
+                if r.phase is Phase.FINISHED:
+                    r.finish()
+                    left.append(r)
+                else:
+                    started.append(r)
+        return started, packs
+
+    def _probe(self, requests: list[Request]) -> None:
+        try:
+            phases.probe(requests)
+        except Exception:
+            # NOTE: one request's failure must stay its own: each selector then runs its own probe
+            log.exception("a packed probe pass of %d requests failed: they probe one at a time", len(requests))
+            for r in requests:
+                if r.phase is Phase.STITCHED:
+                    phases.skip_probe(r)
+
+    def _recompute(self, requests: list[Request], left: list[Request]) -> list[int]:
+        """Run the last passes as one; on failure, one at a time. Returns the sizes of the passes run."""
+        if not requests:
+            return []
+        try:
+            phases.recompute(requests, self.shared.decoder)
+        except Exception as e:
+            if len(requests) == 1:
+                self._fail(requests[0], e, left)
+                return []
+            log.exception("a packed last pass of %d requests failed: they run one at a time", len(requests))
+            return [n for r in requests for n in self._recompute([r], left)]
+        return [len(requests)]
+
+    # ---- decoding ----------------------------------------------------------------------------------------
+    def _decode(self, requests: list[Request], left: list[Request]) -> int:
+        """One batched decode step over `requests`; returns its rows."""
+        if not requests:
+            return 0
+        try:
+            logits = phases.decode_step(requests, self.shared.decoder)  # [B, V]
+        except Exception as e:
+            log.exception("a batched decode step failed: its %d requests fail with it", len(requests))
+            for r in requests:
+                self._fail(r, e, left)
+            return 0
+        for b, r in enumerate(requests):
+            try:
+                phases.advance(r, logits[b])
+            except Exception as e:
+                self._fail(r, e, left)
+                continue
+            if r.phase is Phase.FINISHED:
+                r.finish()
+                left.append(r)
+        return len(requests)
+
+    @staticmethod
+    def _try(phase: Callable[[Request], None], request: Request, left: list[Request]) -> bool:
+        """Run one request's phase; a failure ends that request alone. Returns whether it ran."""
+        try:
+            phase(request)
+        except Exception as e:  # NOTE: the request's failure is its consumer's, never the loop's
+            Runner._fail(request, e, left)
+            return False
+        return True
+
+    @staticmethod
+    def _fail(request: Request, error: Exception, left: list[Request]) -> None:
+        request.fail(error)
+        left.append(request)
+
+
+def run_alone(request: Request, shared: Shared) -> Iterator[str]:
+    """The request's phases on the caller's thread, without a scheduler: its text pieces as decoded.
+
+    Its selector runs its own probe, and each token is one cached step of this request alone.
+    """
+    phases.stitch_request(request, shared)
+    phases.skip_probe(request)
+    phases.select(request)
+    phases.recompute([request], shared.decoder)
+    phases.start_decoding(request, shared)
+    while request.phase is Phase.DECODING:
+        yield from _drain(request)
+        decoding = request.decoding
+        assert decoding is not None
+        token, slot = decoding.next_input()
+        phases.advance(request, shared.decoder.decode_step(decoding.buf, token, slot))
+    request.finish()
+    yield from _drain(request)
+
+
+def _drain(request: Request) -> Iterator[str]:
+    """The text pieces in the request's output now."""
+    while (event := request.output.pop()) is not None:
+        if isinstance(event, str):
+            yield event
+
+
+__all__ = ["Runner", "run_alone"]
