@@ -7,11 +7,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from types import TracebackType
+from typing import Literal
 
 import torch
 
 from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.store.codec import StorageDType, storage_torch_dtype
+
+CacheSource = Literal["device", "host", "store", "learned"]
+"""Where a loaded cache came from (`KVStore.get_with_source`): a cache tier's device or host LRU, a
+blob store, or the caches learned from traffic."""
+CACHE_SOURCES: tuple[CacheSource, ...] = ("device", "host", "store", "learned")
 
 
 class KVStore(ABC):
@@ -82,6 +88,34 @@ class KVStore(ABC):
             CacheCorruptError: the stored bytes are unreadable, truncated or fail their checksum.
             CacheMismatchError: the cache belongs to another model or has the wrong shape.
         """
+
+    def get_with_source(
+        self,
+        chunk_id: str,
+        variant: Variant,
+        *,
+        fingerprint: str,
+        shape: tuple[int, int, int] | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> tuple[ChunkKV, CacheSource]:
+        """`get`, and where the cache came from: how a request learns which tier served each load
+        without knowing which stores wrap which.
+
+        A blob store answers "store" (this default); a cache-tier wrapper "device" or "host" for a
+        tier hit; a view over several stores the answer of the part that served it ("learned" for
+        caches learned from traffic). A wrapper must override this, else its parts' answers are lost.
+
+        Args:
+            chunk_id, variant, fingerprint, shape, device, dtype: as `get`.
+
+        Returns:
+            `(cache, source)`.
+
+        Raises:
+            CacheNotFoundError, CacheCorruptError, CacheMismatchError: as `get`.
+        """
+        return self.get(chunk_id, variant, fingerprint=fingerprint, shape=shape, device=device, dtype=dtype), "store"
 
     @abstractmethod
     def has(self, chunk_id: str, variant: Variant) -> bool:
