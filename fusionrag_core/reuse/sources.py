@@ -23,7 +23,7 @@ from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import CacheMismatchError, CacheNotFoundError, InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.tools import ToolRequest
-from fusionrag_core.recognise.content_index import Match, content_index_for
+from fusionrag_core.recognise.content_index import ContentIndex, Match
 from fusionrag_core.reuse.learned import LearnedCaches, content_id
 from fusionrag_core.reuse.spans import PARAGRAPH_BREAK, conversation_spans
 from fusionrag_core.runtime.compat import tokenize_plain
@@ -63,7 +63,7 @@ class ReuseSources(KVStore):
         self.primary = primary
         self.learned = learned
         self.learning = learned is not None if learning is None else learning
-        self.primary_index = content_index_for(primary) if primary is not None else None
+        self.primary_index = primary.content_index() if primary is not None else None
         self.retrieved = 0  # NOTE: how many retrieved documents `prompt` was given (read by `diagnose`)
 
     def find(self, text: str) -> list[Match]:
@@ -155,6 +155,11 @@ class ReuseSources(KVStore):
             if part.has(chunk_id, variant):
                 return part.quarantine(chunk_id, variant)
         return None  # NOTE: neither holds it any more: another request set it aside first
+
+    def content_index(self) -> ContentIndex | None:
+        """The primary store's (the corpus's); learned caches keep an index of their own
+        (`LearnedCaches.index`), which `find` reads as well."""
+        return self.primary_index
 
     def _parts(self) -> list[KVStore]:
         """The stores read, in `get`'s order: the primary (ingested) one, then the learned caches'."""

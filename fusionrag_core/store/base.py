@@ -7,12 +7,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from types import TracebackType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.store.codec import StorageDType, storage_torch_dtype
+
+if TYPE_CHECKING:
+    from fusionrag_core.store.content_index import ContentIndex
 
 CacheSource = Literal["device", "host", "store", "learned"]
 """Where a loaded cache came from (`KVStore.get_with_source`): a cache tier's device or host LRU, a
@@ -137,6 +140,18 @@ class KVStore(ABC):
             ReadOnlyError: this process cannot write the store (a read-only directory); the blob stays.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot set a bad blob aside")
+
+    @abstractmethod
+    def content_index(self) -> ContentIndex | None:
+        """The index of this corpus's chunk texts, by which prompts find its stored chunks by content.
+
+        A part of the corpus its store provides (the disk store keeps one next to its caches); a
+        wrapper gives the one of the store it wraps. Every backend answers explicitly: None says
+        it keeps none, and its chunks are then found by marks (and learned caches) only.
+
+        Returns:
+            The same index at every call of one store object, or None.
+        """
 
     def free_bytes(self) -> int | None:
         """Room left for new blobs, in bytes; None when the backend cannot tell."""

@@ -26,6 +26,7 @@ import torch
 
 from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.store.base import CacheSource, KVStore
+from fusionrag_core.store.content_index import ContentIndex
 
 TIERS: tuple[CacheSource, ...] = ("device", "host", "store")
 
@@ -243,6 +244,10 @@ class TieredKVStore(KVStore):
     def quarantine(self, chunk_id: str, variant: Variant) -> str | None:
         self._forget(chunk_id, (variant,))
         return self.inner.quarantine(chunk_id, variant)
+
+    def content_index(self) -> ContentIndex | None:
+        """The inner store's: the tiers hold caches, never chunk texts."""
+        return self.inner.content_index()
 
     def free_bytes(self) -> int | None:
         return self.inner.free_bytes()
