@@ -38,8 +38,8 @@ from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.ingest.config import IngestConfig
-from fusionrag_core.recognise import content_index
 from fusionrag_core.runtime.compat import tokenize_plain
+from fusionrag_core.store import content_index
 from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGVectorStore
 from tests.ingest_worker import tiny_engine
 

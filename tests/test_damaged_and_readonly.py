@@ -41,10 +41,9 @@ from fusionrag_core.errors import FusionRAGError
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_core.query.sampling import SamplingConfig
-from fusionrag_core.recognise import content_index
-from fusionrag_core.recognise.content_index import ContentIndex, content_index_for
+from fusionrag_core.recognise.content_index import ContentIndex
 from fusionrag_core.runtime.kv import VARIANTS
-from fusionrag_core.store import DiskKVStore
+from fusionrag_core.store import DiskKVStore, KVStore, content_index
 from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGRetriever, FusionRAGVectorStore
 from tests.ingest_worker import tiny_engine
 from tests.lighthouse import QUESTION, TEXTS
@@ -80,10 +79,10 @@ def _asker(index: FusionIndex) -> Callable[[], dict[str, Any]]:
     return lambda: dict(chain.invoke(QUESTION).response_metadata)
 
 
-def _in_a_new_process(root: Path) -> None:
-    """Drop this process's open content index of `root`, as a process started now would not have it."""
-    with content_index._indexes_lock:
-        index = content_index._indexes.pop(root, None)
+def _in_a_new_process(store: KVStore) -> None:
+    """Close `store`'s open content index (its connection and mapped hash array), as a process
+    started now would not have it open: its next use reads the files afresh."""
+    index = store.content_index()
     if index is not None:
         index.close()
 
@@ -131,7 +130,7 @@ def test_a_damaged_content_index_is_a_reported_miss_until_verify_rebuilds_it(
     assert ask()["reused_tokens"] > 0
     intact = index.answer(QUESTION, k=3, sampling=GREEDY)[0]
 
-    _in_a_new_process(root)
+    _in_a_new_process(index.store)
     _damage(root, how)
     with caplog.at_level(logging.WARNING):
         damaged = [ask(), ask()]  # NOTE: on main: DatabaseError / FileNotFoundError out of invoke
@@ -145,7 +144,7 @@ def test_a_damaged_content_index_is_a_reported_miss_until_verify_rebuilds_it(
 
     # ingest and verify: one line each, no traceback; the repair rebuilds the index from Chroma
     (docs / "d3.md").write_text(TEXTS[3])
-    _in_a_new_process(root)
+    _in_a_new_process(index.store)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         code, out, err = run(*INGEST, str(docs))
@@ -156,9 +155,10 @@ def test_a_damaged_content_index_is_a_reported_miss_until_verify_rebuilds_it(
     code, out, err = run("verify")
     assert code == 0 and "content index rebuilt from 4 chunk text(s)" in out, out + err
 
-    everything = content_index_for(index.store)
-    assert everything is not None and everything.problem is None
+    everything = index.store.content_index()  # NOTE: the long-lived one, rebuilt by verify's own store
+    assert everything is not None
     found = everything.find("\n\n".join(TEXTS))
+    assert everything.problem is None
     assert sorted(m.chunk_id for m in found) == sorted(index.collection.get()["ids"]), "the new chunk too"
     assert ask()["reused_tokens"] > 0
     assert index.verify(repair=False).ok

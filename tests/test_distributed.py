@@ -30,7 +30,6 @@ from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_core.ingest.distributed import RayConfig, RayIngestor, start_local_cluster, store_spec
 from fusionrag_core.ingest.ingestor import IngestReport
 from fusionrag_core.ingest.records import NEIGHBOURS_KEY, RADIUS_KEY
-from fusionrag_core.recognise.content_index import content_index_for
 from fusionrag_core.runtime.kv import neighbours_digest
 from fusionrag_core.store.base import KVStore
 from tests.ingest_worker import tiny_engine, tiny_engine_at
@@ -209,7 +208,7 @@ def _check_same_corpus(engine: FusionEngine, local: FusionIndex, remote: FusionI
         assert fused.fused_after == neighbours_digest(meta[NEIGHBOURS_KEY].split()), cid
     assert remote.verify(repair=False).ok
     # NOTE: and prompts holding a chunk's text find its cache (the content index), as after a local ingest.
-    local_content, remote_content = content_index_for(local.store), content_index_for(remote.store)
+    local_content, remote_content = local.store.content_index(), remote.store.content_index()
     assert local_content is not None and remote_content is not None
     assert len(remote_content) == len(local_content) > 0
 

@@ -38,6 +38,7 @@ from fusionrag_core.runtime.compat import tokenize_plain
 from fusionrag_core.runtime.kv import VARIANTS, ChunkKV, Variant
 from fusionrag_core.store import DiskKVStore, KVStore
 from fusionrag_core.store import disk as disk_store
+from fusionrag_core.store.content_index import ContentIndex
 from fusionrag_core.store.disk import QUARANTINE_DIR
 from fusionrag_core.store.tiered import TieredKVStore
 from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGRetriever
@@ -162,6 +163,9 @@ class NoQuarantine(KVStore):
 
     def has(self, chunk_id: str, variant: Variant) -> bool:
         return self.inner.has(chunk_id, variant)
+
+    def content_index(self) -> ContentIndex | None:
+        return self.inner.content_index()
 
     def delete(self, chunk_id: str, variant: Variant | None = None) -> None:
         self.inner.delete(chunk_id, variant)

@@ -16,11 +16,12 @@ from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.query.sampling import SamplingConfig
-from fusionrag_core.recognise.content_index import ANCHOR_CHARS, ContentIndex, Match, chunk_anchor, content_index_for
+from fusionrag_core.recognise.content_index import ANCHOR_CHARS, ContentIndex, Match, chunk_anchor
 from fusionrag_core.recognise.marks import MARK_CLOSE, MARK_OPEN, MARK_SEP, mark_chunk, split_marks, strip_marks
 from fusionrag_core.reuse.learned import LearnConfig, LearnedCaches, content_id
 from fusionrag_core.reuse.sources import ReuseMonitor, ReuseSources
-from fusionrag_core.store import DiskKVStore
+from fusionrag_core.store import DiskKVStore, KVStore
+from fusionrag_core.store.tiered import TieredKVStore
 from tests.ingest_worker import tiny_engine
 
 TEXTS = [
@@ -44,7 +45,7 @@ def store(tmp_path_factory: pytest.TempPathFactory, engine: FusionEngine) -> Dis
     store = DiskKVStore(tmp_path_factory.mktemp("kv"), storage_dtype="float32")
     for i, text in enumerate(TEXTS):
         store.put(f"c{i}", engine.chunk_cache(text))
-    index = content_index_for(store)
+    index = store.content_index()
     assert index is not None
     index.add((f"c{i}", t) for i, t in enumerate(TEXTS))
     return store
@@ -108,7 +109,7 @@ def test_rows_added_by_another_process_are_found_and_removed_rows_are_not(tmp_pa
 
 def test_the_sorted_hash_array_is_rebuilt_and_still_finds_everything(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from fusionrag_core.recognise import content_index
+    from fusionrag_core.store import content_index
     monkeypatch.setattr(content_index, "_MAX_PENDING", 2)
     index = ContentIndex(tmp_path)
     index.add((f"c{i}", t) for i, t in enumerate(TEXTS))
@@ -237,3 +238,20 @@ def test_no_reuse_warns_once_per_model_naming_the_cause(engine: FusionEngine, tm
             assert monitor.check(engine, prompt, gen, sources) is not None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "ingest" in warnings[0].getMessage()
+
+
+def test_a_store_provides_its_content_index_through_its_interface(tmp_path: Path) -> None:
+    """The corpus's content index is the store's to provide (`KVStore.content_index`): the disk store's
+    own, kept next to its caches; wrappers give the one of what they wrap; a backend must answer."""
+    disk = DiskKVStore(tmp_path / "kv")
+    index = disk.content_index()
+    assert index is disk.content_index() and index.root == disk.root / ".content"
+    tiered = TieredKVStore(disk, device="cpu", dtype=torch.float32, device_bytes=0, host_bytes=0)
+    assert tiered.content_index() is index and ReuseSources(tiered, None).content_index() is index
+    assert ReuseSources(None, None).content_index() is None
+
+    class Silent(KVStore):  # NOTE: no content_index: a backend says whether it keeps one
+        put = get = has = delete = list_ids = close = lambda *a, **k: None  # type: ignore[assignment]
+
+    with pytest.raises(TypeError, match="content_index"):
+        Silent()  # type: ignore[abstract]

@@ -23,7 +23,6 @@ from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.index import FusionIndex, IngestConfig
-from fusionrag_core.recognise.content_index import content_index_for
 from fusionrag_core.recognise.marks import MARK_CLOSE, MARK_OPEN, MARK_SEP, mark_chunk
 from fusionrag_core.runtime.compat import tokenize_plain
 from fusionrag_core.store import DiskKVStore
@@ -148,7 +147,7 @@ def test_verify_indexes_the_texts_of_a_corpus_ingested_without_a_content_index(e
                                                                                tmp_path: Path) -> None:
     index = FusionIndex.open(engine, tmp_path, config=IngestConfig(chunk_tokens=48, neighbours=1))
     index.add_texts(TEXTS[:2])
-    content = content_index_for(index.store)
+    content = index.store.content_index()
     assert content is not None
     prompt = "\n\n".join(TEXTS[:2]) + "\n\nQ"
     assert len(content.find(prompt)) == 2

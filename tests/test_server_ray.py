@@ -159,7 +159,7 @@ def test_two_replicas_answer_like_one_server(replicas: RayServeApp, corpus: Fusi
 @ray_only
 @pytest.mark.slow
 @pytest.mark.servers
-@pytest.mark.xfail(strict=True, reason="a Redis KV store keeps no content index (content_index_for): a prompt's "
+@pytest.mark.xfail(strict=True, reason="a Redis KV store keeps no content index (content_index()): a prompt's "
                    "ingested passages are not found in it by content (over HTTP there are no marks), only learned "
                    "by a first request and reused from then on")
 def test_replicas_find_ingested_caches_in_the_redis_store(replicas: RayServeApp) -> None:

@@ -90,7 +90,6 @@ from fusionrag_core.ingest.records import (
 from fusionrag_core.ingest.space import check_room, fewest_chunks, fits, project
 from fusionrag_core.ingest.writer import BlobWriter
 from fusionrag_core.query.drift import fusion_drift
-from fusionrag_core.recognise.content_index import content_index_for, index_content
 from fusionrag_core.runtime.kv import ChunkKV, Variant, neighbours_digest
 from fusionrag_core.store.base import KVStore
 
@@ -376,7 +375,7 @@ class Ingestor:
         missing_independent += [c for c in incomplete if not self.store.has(c.chunk_id, "independent")]
         computing = {c.chunk_id for c in missing_independent}
         # NOTE: a run that died after storing these independent caches may not have indexed their texts.
-        index_content(self.store, [(c.chunk_id, c.text) for c in new if c.chunk_id not in computing])
+        self._index_texts([(c.chunk_id, c.text) for c in new if c.chunk_id not in computing])
         embeddings = self._independent_and_embeddings(missing_independent, new, progress)
         if self.config.fuse:
             assert embeddings is not None
@@ -589,7 +588,13 @@ class Ingestor:
         self._independent_caches(chunks, progress)
         self.writer.flush()  # NOTE: every blob is stored before it is read back or indexed.
         # NOTE: so prompts that hold a chunk's text find its cache without marks (recognise.py).
-        index_content(self.store, [(c.chunk_id, c.text) for c in chunks])
+        self._index_texts([(c.chunk_id, c.text) for c in chunks])
+
+    def _index_texts(self, entries: Sequence[tuple[str, str]]) -> None:
+        """Add `(chunk_id, text)` pairs to the store's content index (nothing for a store that keeps none)."""
+        content = self.store.content_index()
+        if content is not None:
+            content.add(entries)
 
     def _independent_caches(self, chunks: Sequence[PendingChunk], progress: bool) -> None:
         with tqdm(total=len(chunks), desc="independent caches", unit="chunk", disable=not progress) as bar:
@@ -758,7 +763,7 @@ class Ingestor:
             self._mark_pending(dependants)
             for cid in dependants:
                 self.store.delete(cid, "fused")
-        content = content_index_for(self.store)
+        content = self.store.content_index()
         if content is not None:
             # NOTE: before the entries: a rerun after a crash finds what is left through the entries.
             content.remove(chunk_ids)
@@ -806,7 +811,7 @@ class Ingestor:
         """Why the store's content index cannot be trusted for the chunks `rows` (the collection's),
         or "" (also for a store that keeps none). A corpus ingested before content indexes existed
         lacks its texts: the repair gives them."""
-        index = content_index_for(self.store)
+        index = self.store.content_index()
         if index is None:
             return ""
         problem = index.check()
@@ -818,7 +823,7 @@ class Ingestor:
 
     def _rebuild_content_index(self) -> int:
         """Replace the content index by the collection's chunk texts; returns how many were indexed."""
-        index = content_index_for(self.store)
+        index = self.store.content_index()
         if index is None:
             return 0
         return index.rebuild((cid, row.text) for page in chroma.scan(self.collection, ["documents"])

@@ -21,8 +21,9 @@ from fusionrag_core.errors import CacheCorruptError, CacheMismatchError, CacheNo
 from fusionrag_core.query.bad_blobs import BadBlobs
 from fusionrag_core.query.stitch import CacheMiss
 from fusionrag_core.runtime.kv import ChunkKV, Variant
+from fusionrag_core.store.base import CACHE_SOURCES
 from fusionrag_core.store.codec import is_storable_chunk_id
-from fusionrag_core.store.tiered import TieredKVStore, TierStats
+from fusionrag_core.store.tiered import TierStats
 
 if TYPE_CHECKING:
     from fusionrag_core.store.base import KVStore
@@ -48,9 +49,9 @@ class ChunkLookup:
     """Chunk id -> cache for one request: `caches` first, then `store` in the variant order.
 
     Called as a `stitch.CacheLookup` (`lookup(chunk_id, first)`), from several loader threads at
-    once. After the request has stitched, `tiers` holds its loads per tier (device / host tier of
-    a `TieredKVStore`, or "store") and `fallbacks` chunk id -> why another variant than the
-    preferred one was reused.
+    once. After the request has stitched, `tiers` holds its loads per source, as the store says
+    (`KVStore.get_with_source`: device / host tier of a `TieredKVStore`, "store", or "learned"
+    caches), and `fallbacks` chunk id -> why another variant than the preferred one was reused.
     """
 
     def __init__(self, model: ModelKV, *, caches: Mapping[str, ChunkKV] | None, store: KVStore | None,
@@ -61,7 +62,7 @@ class ChunkLookup:
         self.variant = variant
         self.exact_first = exact_first
         self.bad_blobs = bad_blobs
-        self.tiers = TierStats()
+        self.tiers = TierStats.of(CACHE_SOURCES)
         self.fallbacks: dict[str, str] = {}
         self._lock = threading.Lock()  # NOTE: the loader threads record into `tiers` and `fallbacks`
 
@@ -102,12 +103,9 @@ class ChunkLookup:
 
     def _load(self, store: KVStore, chunk_id: str, variant: Variant) -> ChunkKV:
         m = self.model
-        if isinstance(store, TieredKVStore):
-            kv, tier = store.get_tiered(chunk_id, variant, fingerprint=m.fingerprint, shape=m.shape,
-                                        device=m.device, dtype=m.dtype)
-        else:
-            kv, tier = store.get(chunk_id, variant, fingerprint=m.fingerprint, shape=m.shape, device=m.device,
-                                 dtype=m.dtype), "store"
+        # NOTE: asked of the store, never of its type: a tier hit behind a wrapper (ReuseSources) is still one.
+        kv, tier = store.get_with_source(chunk_id, variant, fingerprint=m.fingerprint, shape=m.shape,
+                                         device=m.device, dtype=m.dtype)
         with self._lock:
             self.tiers.add(tier, kv.nbytes)
         return kv

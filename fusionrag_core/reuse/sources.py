@@ -23,12 +23,12 @@ from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import CacheMismatchError, CacheNotFoundError, InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.tools import ToolRequest
-from fusionrag_core.recognise.content_index import Match, content_index_for
+from fusionrag_core.recognise.content_index import ContentIndex, Match
 from fusionrag_core.reuse.learned import LearnedCaches, content_id
 from fusionrag_core.reuse.spans import PARAGRAPH_BREAK, conversation_spans
 from fusionrag_core.runtime.compat import tokenize_plain
 from fusionrag_core.runtime.kv import ChunkKV, Variant
-from fusionrag_core.store.base import KVStore
+from fusionrag_core.store.base import CacheSource, KVStore
 
 logger = logging.getLogger("fusionrag")
 
@@ -63,7 +63,7 @@ class ReuseSources(KVStore):
         self.primary = primary
         self.learned = learned
         self.learning = learned is not None if learning is None else learning
-        self.primary_index = content_index_for(primary) if primary is not None else None
+        self.primary_index = primary.content_index() if primary is not None else None
         self.retrieved = 0  # NOTE: how many retrieved documents `prompt` was given (read by `diagnose`)
 
     def find(self, text: str) -> list[Match]:
@@ -120,15 +120,25 @@ class ReuseSources(KVStore):
 
     def get(self, chunk_id: str, variant: Variant, *, fingerprint: str, shape: tuple[int, int, int] | None = None,
             device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> ChunkKV:
+        return self.get_with_source(chunk_id, variant, fingerprint=fingerprint, shape=shape, device=device,
+                                    dtype=dtype)[0]
+
+    def get_with_source(self, chunk_id: str, variant: Variant, *, fingerprint: str,
+                        shape: tuple[int, int, int] | None = None, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | None = None) -> tuple[ChunkKV, CacheSource]:
+        """`get`, and where the cache came from: the primary store's answer (a tier of a
+        `TieredKVStore`, or "store"), else "learned"."""
         if self.primary is not None:
             with contextlib.suppress(CacheNotFoundError):
-                return self.primary.get(chunk_id, variant, fingerprint=fingerprint, shape=shape, device=device,
-                                        dtype=dtype)
+                return self.primary.get_with_source(chunk_id, variant, fingerprint=fingerprint, shape=shape,
+                                                    device=device, dtype=dtype)
         if self.learned is not None:
+            # NOTE: the learned caches' store is a blob store of their own: its answer ("store") would
+            # hide that the cache was learned, not ingested.
             kv = self.learned.store.get(chunk_id, variant, fingerprint=fingerprint, shape=shape, device=device,
                                         dtype=dtype)
             self.learned.touch([chunk_id])
-            return kv
+            return kv, "learned"
         raise CacheNotFoundError(f"no {variant} KV cache for chunk {chunk_id}: no store and no learned caches")
 
     def has(self, chunk_id: str, variant: Variant) -> bool:
@@ -145,6 +155,11 @@ class ReuseSources(KVStore):
             if part.has(chunk_id, variant):
                 return part.quarantine(chunk_id, variant)
         return None  # NOTE: neither holds it any more: another request set it aside first
+
+    def content_index(self) -> ContentIndex | None:
+        """The primary store's (the corpus's); learned caches keep an index of their own
+        (`LearnedCaches.index`), which `find` reads as well."""
+        return self.primary_index
 
     def _parts(self) -> list[KVStore]:
         """The stores read, in `get`'s order: the primary (ingested) one, then the learned caches'."""

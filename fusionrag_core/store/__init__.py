@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fusionrag_core.store.base import KVStore
+from fusionrag_core.store.base import CACHE_SOURCES, CacheSource, KVStore
 from fusionrag_core.store.codec import (
     FORMAT_VERSION,
     STORAGE_DTYPES,
@@ -28,8 +28,10 @@ if TYPE_CHECKING:
     from fusionrag_core.store.redis import RedisKVStore
 
 __all__ = [
+    "CACHE_SOURCES",
     "FORMAT_VERSION",
     "STORAGE_DTYPES",
+    "CacheSource",
     "DiskKVStore",
     "KVStore",
     "RedisKVStore",

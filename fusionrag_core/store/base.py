@@ -7,11 +7,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from types import TracebackType
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.store.codec import StorageDType, storage_torch_dtype
+
+if TYPE_CHECKING:
+    from fusionrag_core.store.content_index import ContentIndex
+
+CacheSource = Literal["device", "host", "store", "learned"]
+"""Where a loaded cache came from (`KVStore.get_with_source`): a cache tier's device or host LRU, a
+blob store, or the caches learned from traffic."""
+CACHE_SOURCES: tuple[CacheSource, ...] = ("device", "host", "store", "learned")
 
 
 class KVStore(ABC):
@@ -83,6 +92,34 @@ class KVStore(ABC):
             CacheMismatchError: the cache belongs to another model or has the wrong shape.
         """
 
+    def get_with_source(
+        self,
+        chunk_id: str,
+        variant: Variant,
+        *,
+        fingerprint: str,
+        shape: tuple[int, int, int] | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> tuple[ChunkKV, CacheSource]:
+        """`get`, and where the cache came from: how a request learns which tier served each load
+        without knowing which stores wrap which.
+
+        A blob store answers "store" (this default); a cache-tier wrapper "device" or "host" for a
+        tier hit; a view over several stores the answer of the part that served it ("learned" for
+        caches learned from traffic). A wrapper must override this, else its parts' answers are lost.
+
+        Args:
+            chunk_id, variant, fingerprint, shape, device, dtype: as `get`.
+
+        Returns:
+            `(cache, source)`.
+
+        Raises:
+            CacheNotFoundError, CacheCorruptError, CacheMismatchError: as `get`.
+        """
+        return self.get(chunk_id, variant, fingerprint=fingerprint, shape=shape, device=device, dtype=dtype), "store"
+
     @abstractmethod
     def has(self, chunk_id: str, variant: Variant) -> bool:
         """Whether an entry exists for `(chunk_id, variant)` (not whether it is valid)."""
@@ -103,6 +140,18 @@ class KVStore(ABC):
             ReadOnlyError: this process cannot write the store (a read-only directory); the blob stays.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot set a bad blob aside")
+
+    @abstractmethod
+    def content_index(self) -> ContentIndex | None:
+        """The index of this corpus's chunk texts, by which prompts find its stored chunks by content.
+
+        A part of the corpus its store provides (the disk store keeps one next to its caches); a
+        wrapper gives the one of the store it wraps. Every backend answers explicitly: None says
+        it keeps none, and its chunks are then found by marks (and learned caches) only.
+
+        Returns:
+            The same index at every call of one store object, or None.
+        """
 
     def free_bytes(self) -> int | None:
         """Room left for new blobs, in bytes; None when the backend cannot tell."""

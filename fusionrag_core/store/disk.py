@@ -13,6 +13,7 @@ import errno
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,8 +31,12 @@ from fusionrag_core.store.codec import (
     validate_chunk_id,
     validate_variant,
 )
+from fusionrag_core.store.content_index import REBUILD_HINT, ContentIndex
+from fusionrag_core.store.files import fsync_dir
 
 _SUFFIX = ".safetensors"
+CONTENT_DIR = ".content"
+"""Where the content index of the chunk texts is kept under the root (its leading dot hides it from `list_ids`)."""
 QUARANTINE_DIR = ".quarantine"
 """Where blobs that failed validation are moved (`quarantine`); its leading dot hides it from `list_ids`."""
 # NOTE: what writing a directory this process may not change raises (a read-only mount, file modes).
@@ -59,6 +64,8 @@ class DiskKVStore(KVStore):
                 f"KV store path {self.root} is a file; pass a directory (it is created if missing)"
             )
         self.root.mkdir(parents=True, exist_ok=True)
+        self._content: ContentIndex | None = None  # NOTE: opened on first use: a store read by id needs none
+        self._content_lock = threading.Lock()
 
     def path_for(self, chunk_id: str, variant: Variant) -> Path:
         """The file that holds `(chunk_id, variant)` (whether or not it exists)."""
@@ -172,22 +179,34 @@ class DiskKVStore(KVStore):
                         if len(parts) == 2:
                             yield entry.path, parts[0], parts[1]
 
+    def content_index(self) -> ContentIndex:
+        """The on-disk index of the chunk texts (`<root>/.content`), opened on first use.
+
+        Several processes (and store objects) may share one directory's index: its rows are read
+        back through SQLite, so each sees the others' writes.
+        """
+        with self._content_lock:
+            if self._content is None:
+                self._content = ContentIndex(self.root / CONTENT_DIR, fix=REBUILD_HINT)
+            return self._content
+
+    def __getstate__(self) -> dict[str, object]:
+        # NOTE: a copy in another process (pickled) opens its own content index: a lock and an SQLite
+        # connection cannot travel, and the directory's index is shared through its files anyway.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_content", "_content_lock")}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._content = None
+        self._content_lock = threading.Lock()
+
     def close(self) -> None:
-        """Nothing to release: files are opened per call."""
+        """Close the content index's connection (its next use opens it again); blob files are opened per call."""
+        with self._content_lock:
+            if self._content is not None:
+                self._content.close()
 
     def __repr__(self) -> str:
         return f"DiskKVStore(root={str(self.root)!r}, storage_dtype={self.storage_dtype!r})"
 
 
-def fsync_dir(directory: Path) -> None:
-    """Persist a rename: fsync the directory entry (POSIX only; a no-op where unsupported)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # NOTE: some filesystems (and Windows) refuse fsync on directories; the data is synced.
-    finally:
-        os.close(fd)

@@ -199,6 +199,11 @@ class RedisKVStore(KVStore):
             members = self._client.sunion(indexes)
         return {m.decode() if isinstance(m, bytes) else str(m) for m in members}
 
+    def content_index(self) -> None:
+        """None: a Redis store keeps no content index yet; its chunks are found by marks (and learned
+        caches) only."""
+        return None
+
     def close(self) -> None:
         self._client.close()
 

@@ -10,7 +10,8 @@ are in bytes of K/V, and an entry larger than a tier's budget simply bypasses th
 CPU-only machine the "device" is host memory too: the code is the same, the copy is a no-op.
 
 Writes go through to the store and drop the tiers' copies, so a tier never serves a stale cache.
-Many threads share one tiered store: each `get` reports which tier served it (`get_tiered`), so
+Many threads share one tiered store: each `get` reports which tier served it (`get_with_source`,
+the `KVStore` interface, so a request learns it through any store wrapping this one), so
 per-request statistics live with the request, not here; `stats()` gives lifetime totals.
 """
 
@@ -18,14 +19,16 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from fusionrag_core.runtime.kv import ChunkKV, Variant
-from fusionrag_core.store.base import KVStore
+from fusionrag_core.store.base import CacheSource, KVStore
+from fusionrag_core.store.content_index import ContentIndex
 
-TIERS = ("device", "host", "store")
+TIERS: tuple[CacheSource, ...] = ("device", "host", "store")
 
 
 @dataclass(frozen=True)
@@ -53,14 +56,22 @@ class TierConfig:
 
 @dataclass
 class TierStats:
-    """Hits and K/V bytes served per tier ("device", "host", "store")."""
+    """Hits and K/V bytes served per tier ("device", "host", "store"; a request's also "learned",
+    see `of`)."""
 
     hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
+    @classmethod
+    def of(cls, sources: Iterable[CacheSource]) -> TierStats:
+        """Zero counts for each of `sources` (every one is reported, counted or not)."""
+        names = tuple(sources)
+        return cls(dict.fromkeys(names, 0), dict.fromkeys(names, 0))
+
     def add(self, tier: str, nbytes: int) -> None:
-        self.hits[tier] += 1
-        self.bytes[tier] += nbytes
+        """Count one load of `nbytes` K/V bytes from `tier` (a tier not counted before starts at 0)."""
+        self.hits[tier] = self.hits.get(tier, 0) + 1
+        self.bytes[tier] = self.bytes.get(tier, 0) + nbytes
 
     def as_dict(self) -> dict[str, int]:
         return {**{f"{t}_hits": n for t, n in self.hits.items()}, **{f"{t}_bytes": n for t, n in self.bytes.items()}}
@@ -132,7 +143,7 @@ class TieredKVStore(KVStore):
         self._lock = threading.Lock()
         self._stats = TierStats()
 
-    def get_tiered(
+    def get_with_source(
         self,
         chunk_id: str,
         variant: Variant,
@@ -141,18 +152,21 @@ class TieredKVStore(KVStore):
         shape: tuple[int, int, int] | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
-    ) -> tuple[ChunkKV, str]:
-        """`get`, and which tier served it ("device", "host" or "store")."""
+    ) -> tuple[ChunkKV, CacheSource]:
+        """`get`, and which tier served it: "device" or "host", else the inner store's answer
+        ("store" for a blob store)."""
         key = (chunk_id, variant)
+        tier: CacheSource
         with self._lock:
             kv, tier = self._device.get(key), "device"
             if kv is None:
                 kv, tier = self._host.get(key), "host"
         if kv is None:
             # NOTE: the slow path runs outside the lock; two threads missing the same chunk both load it.
-            loaded = self.inner.get(chunk_id, variant, fingerprint=fingerprint, shape=shape, device="cpu",
-                                    dtype=self.dtype)
-            kv, tier = _pin(loaded), "store"
+            # The inner store says where its copy came from ("store" for a blob store).
+            loaded, tier = self.inner.get_with_source(chunk_id, variant, fingerprint=fingerprint, shape=shape,
+                                                      device="cpu", dtype=self.dtype)
+            kv = _pin(loaded)
             with self._lock:
                 self._host.put(key, kv)
         kv.validate(fingerprint=fingerprint, shape=shape)  # NOTE: a tier is shared by every model's engine
@@ -167,6 +181,20 @@ class TieredKVStore(KVStore):
             kv = kv.to(target, dtype or self.dtype)
         return kv, tier
 
+    def get_tiered(
+        self,
+        chunk_id: str,
+        variant: Variant,
+        *,
+        fingerprint: str,
+        shape: tuple[int, int, int] | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> tuple[ChunkKV, CacheSource]:
+        """`get_with_source` (its earlier name, kept for callers of this class)."""
+        return self.get_with_source(chunk_id, variant, fingerprint=fingerprint, shape=shape, device=device,
+                                    dtype=dtype)
+
     def get(
         self,
         chunk_id: str,
@@ -177,8 +205,8 @@ class TieredKVStore(KVStore):
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
     ) -> ChunkKV:
-        return self.get_tiered(chunk_id, variant, fingerprint=fingerprint, shape=shape, device=device,
-                               dtype=dtype)[0]
+        return self.get_with_source(chunk_id, variant, fingerprint=fingerprint, shape=shape, device=device,
+                                    dtype=dtype)[0]
 
     @property
     def backend(self) -> KVStore:
@@ -216,6 +244,10 @@ class TieredKVStore(KVStore):
     def quarantine(self, chunk_id: str, variant: Variant) -> str | None:
         self._forget(chunk_id, (variant,))
         return self.inner.quarantine(chunk_id, variant)
+
+    def content_index(self) -> ContentIndex | None:
+        """The inner store's: the tiers hold caches, never chunk texts."""
+        return self.inner.content_index()
 
     def free_bytes(self) -> int | None:
         return self.inner.free_bytes()

@@ -36,7 +36,6 @@ from fusionrag_core.ingest.chunking import ChunkingConfig, chunk_id
 from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_core.ingest.fusion import CacheBuilder, Neighbours, batch_neighbours, rank_neighbours
 from fusionrag_core.ingest.records import CHUNK_ID_KEY, RESERVED_KEYS, fusion_state
-from fusionrag_core.recognise.content_index import index_content
 from fusionrag_core.runtime.kv import neighbours_digest
 from fusionrag_core.store import KVStore
 from fusionrag_integrations.llama_index.embedding import FusionRAGEmbedding
@@ -160,7 +159,9 @@ class FusionKVTransform(TransformComponent):
         kept = _rename(nodes, [chunk_id(text, engine.fingerprint, _CHUNKING) for text in texts])
         # NOTE: every kept node, cached now or before: the standard query engine's prompts then find
         # the chunks by their text (recognise.py), with no marker in the pipeline.
-        index_content(store, [(node.node_id, _chunk_text(node)) for node in kept])
+        content = store.content_index()  # NOTE: None for a store that keeps none (Redis): marks find them there
+        if content is not None:
+            content.add([(node.node_id, _chunk_text(node)) for node in kept])
         fused = self.fuse and self.neighbours > 0
         todo = [node for node in kept if not store.has(node.node_id, "fused" if fused else "independent")]
         neighbours = self._neighbours(kept, kept) if fused else {}

@@ -15,7 +15,7 @@ caches (writing them stays `fusionrag ingest`'s and `verify`'s); each node's rep
 learned caches under `data_dir` (SQLite and atomic blob writes: safe for several processes).
 
 NOTE: a prompt's passages are found by content through the store's content index, which disk stores
-keep and Redis stores do not yet (`recognise.content_index_for`): on a Redis store the replicas find
+keep and Redis stores do not yet (`KVStore.content_index()`): on a Redis store the replicas find
 no ingested cache in a prompt, learn the passages on first sight and reuse them from then on.
 
 Ray Serve is an optional dependency (`pip install 'fusionrag[serve-ray]'`; tested with 2.60), imported
