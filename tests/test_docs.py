@@ -172,14 +172,14 @@ ROW = re.compile(r"^\| `([A-Z][\w.]*)` \| (.+?) \| (.*?) \|", flags=re.MULTILINE
 
 def _real_settings() -> dict[str, dict[str, Any]]:
     """Entry point -> setting -> default (inspect.Parameter.empty when required)."""
+    from fusionrag_core.batching.prefix_cache import PrefixCacheConfig
+    from fusionrag_core.batching.scheduler import SchedulerConfig
     from fusionrag_core.engine import EngineConfig
     from fusionrag_core.index import FusionIndex
     from fusionrag_core.ingest.config import IngestConfig
     from fusionrag_core.ingest.distributed import RayConfig
     from fusionrag_core.query.sampling import SamplingConfig
     from fusionrag_core.query.select import SelectConfig
-    from fusionrag_core.batching.prefix_cache import PrefixCacheConfig
-    from fusionrag_core.batching.scheduler import SchedulerConfig
     from fusionrag_core.store.tiered import TierConfig
     from fusionrag_integrations.openai_server.config import ServerConfig
 
@@ -303,12 +303,12 @@ SKIP_DIRS = {"__pycache__", ".git", ".venv", "node_modules"}
 # A file name ending in .py, with or without folders before it: `learn.py`, `serve/scheduler.py`, `../session.py`.
 PY_PATH = re.compile(r"(?<![\w/.\-<>])((?:\.{1,2}/)*(?:[\w\-]+/)*[\w\-]+\.py)\b")
 # A folder of ours, spelled from the repository root: `fusionrag_core/serve/`, `benchmarks/results/x/`.
-ROOTED_DIR = re.compile(r"(?<![\w/.\-<>])((?:fusionrag_core|fusionrag_integrations|benchmarks|tests|scripts|docs|cookbook)"
-                        r"/(?:[\w.\-]+/)*)")
+TOP_DIRS = ("fusionrag_core", "fusionrag_integrations", "benchmarks", "tests", "scripts", "docs", "cookbook")
+ROOTED_DIR = re.compile(r"(?<![\w/.\-<>])((?:" + "|".join(TOP_DIRS) + r")/(?:[\w.\-]+/)*)")
 # A folder named alone in a code span: `batching/`, `chroma/`.
 BARE_DIR = re.compile(r"`([\w\-]+)/`")
 # A dotted name in one of our packages: `fusionrag_core.query.select.SelectConfig`; not a file name (benchmarks.md).
-DOTTED = re.compile(r"(?<![\w/.\-])((?:%s)(?:\.[A-Za-z_]\w*)+)(?![\w\-]|\.\w)" % "|".join(PACKAGES))
+DOTTED = re.compile(r"(?<![\w/.\-])((?:" + "|".join(PACKAGES) + r")(?:\.[A-Za-z_]\w*)+)(?![\w\-]|\.\w)")
 FILE_SUFFIXES = {"md", "py", "json", "png", "ipynb", "txt", "sh", "log", "toml", "jsonl"}
 
 
