@@ -13,10 +13,10 @@ from typing import TypeVar
 import pytest
 import torch
 
+from fusionrag_core.batching.scheduler import Scheduler, SchedulerConfig
 from fusionrag_core.engine import EngineConfig, FusionEngine, Generation, GenerationStream
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.runtime.kv import ChunkKV, KVBuffer
-from fusionrag_core.batching.scheduler import Scheduler, SchedulerConfig
 
 T = TypeVar("T")
 R = TypeVar("R")

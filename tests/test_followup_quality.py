@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fusionrag_core.batching.prefix_cache import PrefixCacheConfig
 from fusionrag_core.bench.data import load_rows
 from fusionrag_core.bench.runner import row_passages
 from fusionrag_core.engine import FusionEngine, Generation
@@ -26,7 +27,6 @@ from fusionrag_core.query.prompt import QUESTION_TEMPLATE
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.recognise.marks import mark_chunk
 from fusionrag_core.runtime.compat import tokenize_plain
-from fusionrag_core.batching.prefix_cache import PrefixCacheConfig
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "musique_dev.jsonl"
 ROWS = 8

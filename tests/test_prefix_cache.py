@@ -21,12 +21,12 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerBase
 
 import fusionrag_core.engine as engine_module
+from fusionrag_core.batching.prefix_cache import KeptPrefix, PrefixCache, PrefixCacheConfig
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.runtime.kv import KEEP_IN_PLACE_SHARE, ChunkKV, storage_bytes
-from fusionrag_core.batching.prefix_cache import KeptPrefix, PrefixCache, PrefixCacheConfig
 
 DOCS = {
     "lumen": "The Lumen lighthouse on Gull Point was designed by the engineer Ada Vell in 1891. Its lamp is red.",

@@ -23,12 +23,12 @@ from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage
 from langchain_core.prompts import ChatPromptTemplate
 
+from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.engine import EngineConfig, FusionEngine, Generation
 from fusionrag_core.errors import CacheMismatchError, InvalidRequestError, OverloadedError
 from fusionrag_core.query.constrained import Grammar
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.runtime.kv import ChunkKV, KVBuffer
-from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.store import DiskKVStore
 from fusionrag_integrations.langchain import ChatFusionRAG, format_docs
 from tests.scheduling import (

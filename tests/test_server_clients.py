@@ -49,8 +49,8 @@ from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_core.query.tools import InvalidToolCall, ToolCall, split_calls, tool_request
 from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGRetriever, format_docs
-from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.openai_server import ServerConfig, create_app
+from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
 from tests.http_server import running_app
 

@@ -29,11 +29,11 @@ from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.reuse.sources import ReuseSources
-from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.openai_server import ServerConfig, create_app
 from fusionrag_integrations.openai_server import command as serve_command
 from fusionrag_integrations.openai_server.config import API_KEY_ENV
 from fusionrag_integrations.openai_server.metrics import ENGINE_STATS
+from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
 from tests.http_server import running_app
 

@@ -32,7 +32,13 @@ from fusionrag_core.errors import FusionRAGError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_integrations.openai_server import ServerConfig, create_app, ray_serve
-from fusionrag_integrations.openai_server.ray_serve import REPLICA_HEADER, RayServeApp, RayServeOptions, ReplicaSpec, deploy
+from fusionrag_integrations.openai_server.ray_serve import (
+    REPLICA_HEADER,
+    RayServeApp,
+    RayServeOptions,
+    ReplicaSpec,
+    deploy,
+)
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
 from tests.http_server import running_app
 from tests.lighthouse import QUESTION, TEXTS
