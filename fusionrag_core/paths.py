@@ -2,7 +2,7 @@
 
     <data_dir>/chroma/                 the embedded Chroma database (unless a Chroma server is used)
     <data_dir>/kv/<collection_name>/   the disk KV store of one collection (unless Redis is used)
-    <data_dir>/learned/<model>/        caches learned from traffic by one model (see learn.py)
+    <data_dir>/learned/<model>/        caches learned from traffic by one model (see reuse/learned.py)
 
 NOTE: standard library only: the CLI reads these defaults before it imports torch or chromadb.
 """

@@ -8,6 +8,8 @@
   entry points, with the code's defaults, and nothing that does not exist; the README's short
   table names only real settings; the selectors and bench methods documented are the real ones.
 * No machine paths, lock files or load averages in user docs.
+* Every path or dotted name of ours that a doc names exists (`query/stitch.py`, `fusionrag_core.store`,
+  `benchmarks/serving.py`, `batching/`), and the README's repository map names every package.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -285,3 +288,174 @@ def test_every_result_folder_is_cited_and_every_cited_one_exists() -> None:
     present = {p.name for p in results.iterdir() if p.is_dir()}
     assert cited <= present, f"docs cite result folders that do not exist: {sorted(cited - present)}"
     assert present <= cited, f"result folders no page cites (remove them): {sorted(present - cited)}"
+
+
+
+# ---- paths and names of ours --------------------------------------------------------------------
+# Pages whose every path of ours must exist: the docs, the benchmark and integration READMEs, and
+# the cookbook notebooks' markdown cells.
+NOTEBOOKS = sorted((ROOT / "cookbook").glob("*.ipynb"))
+# Where a relative path of ours (`query/stitch.py`, `openai_server/`) may live.
+CODE_ROOTS = [ROOT, *(ROOT / name for name in ("fusionrag_core", "fusionrag_integrations", "benchmarks", "tests",
+                                               "scripts"))]
+PACKAGES = ("fusionrag_core", "fusionrag_integrations", "benchmarks", "tests")
+SKIP_DIRS = {"__pycache__", ".git", ".venv", "node_modules"}
+# A file name ending in .py, with or without folders before it: `learn.py`, `serve/scheduler.py`, `../session.py`.
+PY_PATH = re.compile(r"(?<![\w/.\-<>])((?:\.{1,2}/)*(?:[\w\-]+/)*[\w\-]+\.py)\b")
+# A folder of ours, spelled from the repository root: `fusionrag_core/serve/`, `benchmarks/results/x/`.
+TOP_DIRS = ("fusionrag_core", "fusionrag_integrations", "benchmarks", "tests", "scripts", "docs", "cookbook")
+ROOTED_DIR = re.compile(r"(?<![\w/.\-<>])((?:" + "|".join(TOP_DIRS) + r")/(?:[\w.\-]+/)*)")
+# A folder named alone in a code span: `batching/`, `chroma/`.
+BARE_DIR = re.compile(r"`([\w\-]+)/`")
+# A dotted name in one of our packages: `fusionrag_core.query.select.SelectConfig`; not a file name (benchmarks.md).
+DOTTED = re.compile(r"(?<![\w/.\-])((?:" + "|".join(PACKAGES) + r")(?:\.[A-Za-z_]\w*)+)(?![\w\-]|\.\w)")
+FILE_SUFFIXES = {"md", "py", "json", "png", "ipynb", "txt", "sh", "log", "toml", "jsonl"}
+
+
+def _our_files() -> list[Path]:
+    out = []
+    for path in ROOT.rglob("*"):
+        rel = path.relative_to(ROOT).parts
+        if not SKIP_DIRS.intersection(rel) and not rel[0].startswith("."):
+            out.append(path)
+    return out
+
+
+OUR_FILES = _our_files()
+PY_NAMES = {p.name for p in OUR_FILES if p.suffix == ".py"}
+DIR_NAMES = {p.name for p in OUR_FILES if p.is_dir()}
+
+
+def _data_dirs() -> set[str]:
+    """The data directory's folders, as fusionrag_core/paths.py lays them out (`chroma/`, `kv/`, `learned/`)."""
+    doc = ast.get_docstring(ast.parse((ROOT / "fusionrag_core" / "paths.py").read_text(encoding="utf-8"))) or ""
+    return set(re.findall(r"<data_dir>/(\w+)/", doc))
+
+
+def _doc_texts() -> list[tuple[str, Path, str]]:
+    """(name for messages, the page's folder, text) of every page whose paths are checked."""
+    out = [(str(page.relative_to(ROOT)), page.parent, page.read_text(encoding="utf-8")) for page in LINKED_PAGES]
+    for nb in NOTEBOOKS:
+        cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+        text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+        out.append((f"{nb.relative_to(ROOT)} (markdown)", nb.parent, text))
+    return out
+
+
+def _py_path_exists(path: str, folder: Path) -> bool:
+    if path.startswith("."):
+        return (folder / path).resolve().is_file()
+    if "/" not in path:
+        return path in PY_NAMES  # a module named alone: one of ours somewhere
+    return any((root / path).is_file() for root in CODE_ROOTS)
+
+
+def _top_level_names(module: Path) -> dict[str, ast.AST]:
+    """Names a module defines or imports at top level, with their definitions."""
+    names: dict[str, ast.AST] = {}
+    body = list(ast.parse(module.read_text(encoding="utf-8")).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.If, ast.Try)):  # TYPE_CHECKING imports, optional imports
+            body += [*node.body, *node.orelse, *getattr(node, "finalbody", ())]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[node.name] = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                names[(alias.asname or alias.name).split(".")[0]] = node
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                for n in ast.walk(target):
+                    if isinstance(n, ast.Name):
+                        names[n.id] = node
+                if isinstance(target, ast.Name) and target.id in ("__all__", "_EXPORTS"):  # lazy exports
+                    for c in ast.walk(node.value):
+                        if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value.isidentifier():
+                            names.setdefault(c.value, node)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names[node.target.id] = node
+    return names
+
+
+def _dotted_name_exists(name: str) -> bool:
+    """`a.b.C.d`: the longest prefix that is a module of ours, then names defined in it (and in a class of it)."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:i])
+        module = base / "__init__.py" if (base / "__init__.py").is_file() else base.with_suffix(".py")
+        if module.is_file():
+            break
+    else:
+        return False
+    rest = parts[i:]
+    if not rest:
+        return True
+    names = _top_level_names(module)
+    if rest[0] not in names:
+        return False
+    node = names[rest[0]]
+    if len(rest) > 1 and isinstance(node, ast.ClassDef):
+        members = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        members |= {t.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(t := n.target, ast.Name)}
+        members |= {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        return rest[1] in members
+    return True  # NOTE: an imported name's attributes are not followed
+
+
+def _stale_references(name: str, folder: Path, text: str) -> list[str]:
+    stale = []
+    data_dirs = _data_dirs()
+    for path in PY_PATH.findall(text):
+        if not _py_path_exists(path, folder):
+            stale.append(path)
+    for path in ROOTED_DIR.findall(text):
+        if not (ROOT / path).is_dir():
+            stale.append(path)
+    for folder_name in BARE_DIR.findall(text):
+        if folder_name not in DIR_NAMES and folder_name not in data_dirs:
+            stale.append(folder_name + "/")
+    for dotted in DOTTED.findall(text):
+        if dotted.rsplit(".", 1)[-1] not in FILE_SUFFIXES and not _dotted_name_exists(dotted):
+            stale.append(dotted)
+    return [f"{name}: {s}" for s in stale]
+
+
+def test_path_check_finds_stale_names() -> None:
+    # NOTE: the check below passes only if it reads the names; these are the kinds of stale name it exists for.
+    text = ("`fusionrag_core/foo.py`, `query/learn.py`, `learn.py`, `serve/scheduler.py`, "
+            "`fusionrag_core.query.learn`, `fusionrag_core.query.select.NoSuchName`, `fusionrag_core/serve/`, "
+            "`serve/`, `fusionrag_integrations/server/`")
+    assert len(_stale_references("x", ROOT, text)) == 9, _stale_references("x", ROOT, text)
+    text = ("`fusionrag_core/query/select.py`, `query/stitch.py`, `scheduler.py`, `../benchmarks/serving.py`, "
+            "`fusionrag_core.query.select.SelectConfig.ratio`, `fusionrag_core.strip_marks`, `batching/`, "
+            "`chroma/`, [docs/benchmarks.md](x), `fusionrag_integrations/openai_server/`, `benchmarks/results/`")
+    assert _stale_references("x", ROOT / "docs", text) == []
+
+
+def test_docs_name_only_paths_and_modules_that_exist() -> None:
+    stale = [s for name, folder, text in _doc_texts() for s in _stale_references(name, folder, text)]
+    assert not stale, "docs name paths or modules of ours that do not exist:\n" + "\n".join(stale)
+
+
+def _repository_map() -> list[list[str]]:
+    """The README's repository map: the code spans of each row's first cell."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Repository map"):]
+    section = section[: section.index("\n## ")]
+    return [re.findall(r"`([^`]+)`", row.split("|")[1]) for row in section.splitlines()
+            if row.startswith("| `")]
+
+
+def test_readme_repository_map_names_every_package() -> None:
+    named: set[Path] = set()
+    for spans in _repository_map():
+        # NOTE: later spans of a row are siblings of its first: `fusionrag_core/bench/`, `cli.py`, `demo.py`.
+        base = (ROOT / spans[0].rstrip("/")).parent
+        for span in spans:
+            path = ROOT / span if span == spans[0] else base / span
+            assert path.exists(), f"the README's repository map names {span}, which does not exist"
+            named.add(path.resolve())
+    packages = {init.parent.resolve() for top in ("fusionrag_core", "fusionrag_integrations")
+                for init in (ROOT / top).rglob("__init__.py") if "__pycache__" not in init.parts}
+    missing = sorted(str(p.relative_to(ROOT)) for p in packages - named)
+    assert not missing, f"the README's repository map does not name these packages: {missing}"

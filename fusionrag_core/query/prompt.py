@@ -6,7 +6,7 @@ sentinel strings shows where the instruction, the passages and the question go.
 
 Chunks are also found inside a *flattened* prompt (what LangChain and LlamaIndex hand a model) by
 `PromptLayout.from_messages`: by content (stored chunks whose text occurs verbatim, see
-`recognise.ContentIndex`), as retrieved documents (whose K/V may be learned, see `learn.py`), or
+`recognise.ContentIndex`), as retrieved documents (whose K/V may be learned, see `reuse/learned.py`), or
 by `mark_chunk` marks, the explicit fast path: private-use code points around the chunk's text
 carrying its chunk id and a MAC under a per-process key, so only this process can make one. Marks
 never reach the tokenizer; text where nothing is found is simply prefilled. A mark whose id has no

@@ -1,7 +1,7 @@
 """Where one request's caches come from, and why a request reused nothing.
 
 `ReuseSources` is the store a request reads: the caches of an index (ingested, found by content
-through the index's `ContentIndex`) first, then caches learned from traffic (`learn.py`).
+through the index's `ContentIndex`) first, then caches learned from traffic (`reuse/learned.py`).
 `ReuseMonitor` belongs to one model instance: the first request whose prompt holds documents
 (`documents_seen`) and reuses nothing logs one WARNING naming the likely cause and its fix, so reuse
 is never lost in silence, and a prompt without documents (a chat turn, an agent's scaffolding)
