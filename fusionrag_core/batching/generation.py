@@ -49,8 +49,9 @@ class Generation:
         chunks_without_drift: reused chunks whose cache carries no fusion drift (independent
             caches, learned ones, blobs written before drift was stored); `drift_aware`
             scores their tokens with the prompt's mean drift.
-        kv_tiers: this request's chunk loads from a store, per tier: `{device,host,store}_hits`
-            and `_bytes` (the device and host tiers are a `TieredKVStore`'s; "store" is the backend).
+        kv_tiers: this request's chunk loads from a store, per source: `{device,host,store,learned}_hits`
+            and `_bytes`, as the store answered them (`KVStore.get_with_source`: the device and host
+            tiers of a `TieredKVStore`, the backend, or learned caches), whatever wraps it.
         audit: the request's quality audit against full attention (see EngineConfig.audit_rate),
             or None when it was not audited.
     """
