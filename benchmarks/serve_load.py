@@ -49,6 +49,7 @@ import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.data import load_sample_questions, sample_corpus_dir
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.index import FusionIndex
@@ -310,7 +311,7 @@ def _pct(value: float | None) -> str:
 
 # ---- running ------------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    defaults = ServerConfig()
+    defaults = SchedulerConfig()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200, help="requests sent (default: 200)")
     parser.add_argument("--clients", type=int, default=16, help="concurrent clients (default: 16)")
@@ -318,9 +319,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("-k", type=int, default=3, help="retrieved chunks in each prompt (default: 3)")
     parser.add_argument("--questions", type=int, default=None, help="cycle through the first N sample questions")
     parser.add_argument("--max-running", type=int, default=defaults.max_running,
-                        help=f"the server's --max-running (default: {defaults.max_running})")
+                        help=f"the engine scheduler's --max-running (default: {defaults.max_running})")
     parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
-                        help=f"the server's --max-waiting (default: {defaults.max_waiting})")
+                        help=f"the engine scheduler's --max-waiting (default: {defaults.max_waiting})")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds the run may take once the model has loaded (default: 1800)")
     parser.add_argument("--model", default=None, help="model (default: the packaged SmolLM2-135M)")
@@ -341,7 +342,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def run(engine: FusionEngine, args: argparse.Namespace) -> int:
     """Build the corpus, run both passes, write `<out>/results.json`; 1 if anything failed or differed."""
     deadline = time.monotonic() + args.timeout
-    config = ServerConfig(max_running=args.max_running, max_waiting=args.max_waiting)
+    config = ServerConfig()
+    engine = engine.with_limits(SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting))
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "model", "device")}
     settings.update(model=engine.name, device=str(engine.device), torch_threads=torch.get_num_threads(),
                     cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__,

@@ -215,6 +215,16 @@ class FusionEngine:
         return FusionEngine(self.model, self.tokenizer, name=self.name, config=config,
                             decoder=self.decoder if same else None)
 
+    def with_limits(self, limits: SchedulerConfig) -> FusionEngine:
+        """This engine if its scheduler already has `limits`' `max_running` and `max_waiting`, else one
+        on the same model whose scheduler does (its other settings kept); how `fusionrag serve
+        --max-running/--max-waiting` reach the engine's one admission point."""
+        current = self.config.scheduler or SchedulerConfig()
+        wanted = dataclasses.replace(current, max_running=limits.max_running, max_waiting=limits.max_waiting)
+        if self.config.scheduler == wanted:
+            return self
+        return self.with_config(dataclasses.replace(self.config, scheduler=wanted))
+
     @property
     def scheduler(self) -> Scheduler | None:
         """The engine's one admission point and step planner (None: requests run alone)."""
@@ -423,12 +433,20 @@ class FusionEngine:
 
     def full_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None) -> GenerationStream:
         """The baseline: a plain prefill of every prompt token from position 0, no cache reused."""
+        return GenerationStream(self._pieces(self._plain_request(prompt, sampling)))
+
+    def afull_attention(self, prompt: FusionPrompt, *,
+                        sampling: SamplingConfig | None = None) -> AsyncGenerationStream:
+        """`full_attention` for asyncio (as `astream`)."""
+        request = self._plain_request(prompt, sampling)
+        return AsyncGenerationStream(self._apieces(request), lambda: asyncio.to_thread(self._finish, request))
+
+    def _plain_request(self, prompt: FusionPrompt, sampling: SamplingConfig | None) -> Request:
         sampling = sampling or SamplingConfig()
         self._check_length(prompt, sampling)
-        request = Request(prompt, sampling, Selection("full_attention", get_selector("none"), self.config.select),
-                          no_caches, self.kv_bytes(prompt.num_tokens + sampling.max_new_tokens), full_attention=True,
-                          eos_ids=self.eos_ids)
-        return GenerationStream(self._pieces(request))
+        return Request(prompt, sampling, Selection("full_attention", get_selector("none"), self.config.select),
+                       no_caches, self.kv_bytes(prompt.num_tokens + sampling.max_new_tokens), full_attention=True,
+                       eos_ids=self.eos_ids)
 
     def _request(self, prompt: FusionPrompt, sampling: SamplingConfig | None, selector: str | None,
                  ratio: float | None, caches: Mapping[str, ChunkKV] | None, variant: Variant | None,

@@ -58,7 +58,18 @@ class ReadOnlyError(FusionRAGError):
 
 class OverloadedError(FusionRAGError):
     """The engine's scheduler cannot take the request: its waiting queue is full, or the request's KV
-    alone exceeds the running requests' byte budget (the message names the limit to raise)."""
+    alone exceeds the running requests' byte budget (the message names the limit to raise).
+
+    Attributes:
+        limit: the `SchedulerConfig` field that refused it ("max_waiting" or "kv_budget_bytes").
+        retry_after_s: when a retry may be served (whole seconds, >= 1); None when retrying the
+            same request cannot help (it exceeds a limit alone).
+    """
+
+    def __init__(self, message: str, *, limit: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.retry_after_s = retry_after_s
 
 
 class AccountingError(FusionRAGError, AssertionError):

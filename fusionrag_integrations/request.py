@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from fusionrag_core.engine import FusionEngine, Generation, GenerationStream, LearnFn
+from fusionrag_core.engine import AsyncGenerationStream, FusionEngine, Generation, GenerationStream, LearnFn
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
@@ -106,13 +106,25 @@ class RequestOptions:
         """Start generating `prompt` on `engine`, reading caches from `store` (full attention reads none).
 
         With tools, the answer decodes under the grammar of the engine's tool-call format."""
-        sampling = self.sampling
-        if self.tools is not None:
-            sampling = replace(sampling, grammar=engine.tool_format.grammar(self.tools))
+        sampling = self._sampling(engine)
         if self.full_attention:
             return engine.full_attention(prompt, sampling=sampling)
         return engine.stream(prompt, sampling=sampling, selector=self.selector, ratio=self.ratio,
                              variant=self.variant, store=store, learn=learn)
+
+    def astream(self, engine: FusionEngine, prompt: FusionPrompt, *, store: KVStore | None,
+                learn: LearnFn | None) -> AsyncGenerationStream:
+        """`stream` for an asyncio consumer (`FusionEngine.astream`)."""
+        sampling = self._sampling(engine)
+        if self.full_attention:
+            return engine.afull_attention(prompt, sampling=sampling)
+        return engine.astream(prompt, sampling=sampling, selector=self.selector, ratio=self.ratio,
+                              variant=self.variant, store=store, learn=learn)
+
+    def _sampling(self, engine: FusionEngine) -> SamplingConfig:
+        if self.tools is None:
+            return self.sampling
+        return replace(self.sampling, grammar=engine.tool_format.grammar(self.tools))
 
 
 SAMPLING_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(SamplingConfig) if f.name != "grammar")

@@ -20,7 +20,8 @@ leave through framework metadata, never tensors.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import asyncio
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,22 @@ class ReuseSession:
         assert generation is not None  # NOTE: set by GenerationStream once exhausted
         if not options.full_attention:
             self.monitor.check(self.engine, prompt, generation, sources)
+        yield generation
+
+    async def arun(self, prompt: FusionPrompt, options: RequestOptions,
+                   sources: ReuseSources | None = None) -> AsyncGenerator[str | Generation, None]:
+        """`run` for an asyncio consumer: pieces arrive from the engine's loop with no thread hop per
+        piece; the reuse monitor's check runs once in a worker thread."""
+        sources = sources if sources is not None else self.sources(options)
+        stream = options.astream(self.engine, prompt, store=sources, learn=self._learn if sources.learning else None)
+        async for piece in stream:
+            text = clean_output(piece)
+            if text:
+                yield text
+        generation = stream.result
+        assert generation is not None  # NOTE: set by AsyncGenerationStream once exhausted
+        if not options.full_attention:
+            await asyncio.to_thread(self.monitor.check, self.engine, prompt, generation, sources)
         yield generation
 
     def _learn(self, prompt: FusionPrompt, st: Stitched) -> None:

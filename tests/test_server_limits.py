@@ -11,12 +11,13 @@ taken for as long as a test needs, with no timing assumption.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.cli import build_parser
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import InvalidRequestError
@@ -36,6 +38,7 @@ from fusionrag_integrations.openai_server.metrics import ENGINE_STATS
 from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
 from tests.http_server import running_app
+from tests.scheduling import use_scheduler
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "Say something."}]
@@ -44,9 +47,10 @@ WAIT_S = 30.0
 
 
 class CountingSession(ReuseSession):
-    """A session that counts the pieces its generations produced, optionally holds each
-    generation after its first piece until `gate` is set, and slows each piece by `delay_s`
-    (so a generation left running would visibly run on)."""
+    """A session that counts the generations that produced a piece (`runs`), the pieces they produced
+    and how many generations were closed, and slows each piece's delivery by `delay_s` (so a
+    generation left running would visibly run on). A test that sets `gate` holds the engine's decode
+    steps at it (`hold_decoding`): a request then keeps its running slot for as long as the test needs."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -56,25 +60,40 @@ class CountingSession(ReuseSession):
         self.gate: threading.Event | None = None
         self.delay_s = 0.0
 
-    def run(self, prompt: FusionPrompt, options: RequestOptions,
-            sources: ReuseSources | None = None) -> Iterator[str | Generation]:
-        self.runs += 1
-        inner: Any = super().run(prompt, options, sources)  # NOTE: a generator (closed below)
+    async def arun(self, prompt: FusionPrompt, options: RequestOptions,
+                   sources: ReuseSources | None = None) -> AsyncGenerator[str | Generation, None]:
+        inner = super().arun(prompt, options, sources)
         try:
-            for i, piece in enumerate(inner):
+            first = True
+            async for piece in inner:
+                self.runs += first
+                first = False
                 self.pieces += 1
                 yield piece
-                if i == 0 and self.gate is not None:
-                    self.gate.wait(WAIT_S)
-                time.sleep(self.delay_s)
+                await asyncio.sleep(self.delay_s)
         finally:
-            inner.close()
+            await inner.aclose()
             self.closed += 1
 
 
+def hold_decoding(engine: FusionEngine, session: CountingSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's decode steps wait at `session.gate` while a test has set one (a request's first
+    token comes from its admission, so a held request has answered its first piece)."""
+    decode_batch = engine.decoder.decode_batch
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if session.gate is not None:
+            session.gate.wait(WAIT_S)
+        return decode_batch(*args, **kwargs)
+
+    monkeypatch.setattr(engine.decoder, "decode_batch", held)
+
+
 @pytest.fixture
-def session(one_layer_engine: FusionEngine, tmp_path: Path) -> Iterator[CountingSession]:
+def session(one_layer_engine: FusionEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+            ) -> Iterator[CountingSession]:
     s = CountingSession(one_layer_engine, None, ReuseConfig(data_dir=tmp_path, learn=False))
+    hold_decoding(one_layer_engine, s, monkeypatch)
     yield s
     if s.gate is not None:
         s.gate.set()  # NOTE: a held generation never outlives its test's server
@@ -84,12 +103,16 @@ Serve = Callable[..., httpx.Client]
 
 
 @pytest.fixture
-def serve(session: CountingSession) -> Iterator[Serve]:
+def serve(session: CountingSession, monkeypatch: pytest.MonkeyPatch) -> Iterator[Serve]:
     """Start a real server (uvicorn on loopback) over `session` with a ServerConfig from the
-    keyword arguments; returns a client of it. Servers stop at teardown."""
+    keyword arguments (`max_running` and `max_waiting` are the engine scheduler's, as
+    `fusionrag serve` passes them); returns a client of it. Servers stop at teardown."""
     with contextlib.ExitStack() as stack:
 
         def start(**config: Any) -> httpx.Client:
+            limits = {k: config.pop(k) for k in ("max_running", "max_waiting") if k in config}
+            if limits:
+                use_scheduler(session.engine, SchedulerConfig(**limits), monkeypatch)
             base_url = stack.enter_context(running_app(create_app(session, ServerConfig(**config))))
             return stack.enter_context(httpx.Client(base_url=base_url, timeout=WAIT_S))
         yield start

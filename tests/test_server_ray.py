@@ -284,7 +284,7 @@ def test_cli_serve_ray_passes_its_options_to_deploy(tmp_path: Path, monkeypatch:
     assert spec.data_dir == str(tmp_path / "db") and Path(spec.data_dir).is_absolute()
     assert (spec.chroma_url, spec.redis_url, spec.collection) == ("http://127.0.0.1:9", "redis://127.0.0.1:9/0",
                                                                   "docs")
-    assert (spec.server.host, spec.server.port, spec.server.max_running) == ("127.0.0.1", 8123, 2)
+    assert (spec.server.host, spec.server.port, spec.limits.max_running) == ("127.0.0.1", 8123, 2)
     with pytest.raises(AssertionError, match="gemma3-270m"):  # NOTE: each replica builds the --model engine
         spec.engine_factory()
 

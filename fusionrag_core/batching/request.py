@@ -8,7 +8,7 @@ the runner executes that plan (`batching.runner`), and the request's consumer re
 `Request.output` on its own thread or event loop.
 
     waiting ─► stitched ─► probed ─► selected ─► recomputed ─► decoding ─► finished ─► kept
-          (any phase) ─► failed
+          (any phase) ─► failed;  (any phase, its consumer gone) ─► finished
 
 A request belongs to one consumer: no two requests share any of its fields, and nothing of it is
 kept by the scheduler once it has left.
@@ -246,7 +246,9 @@ class Request:
         Raises:
             RuntimeError: `phase` does not follow the current one (a defect in the request path).
         """
-        if phase is not Phase.FAILED and phase not in _NEXT[self.phase]:
+        # NOTE: a request whose consumer stopped reading ends from whatever phase it was in
+        dropped = phase is Phase.FINISHED and self.cancelled and not self.done
+        if phase is not Phase.FAILED and phase not in _NEXT[self.phase] and not dropped:
             raise RuntimeError(f"request {self.id}: {self.phase.value} cannot move to {phase.value}")
         self.phase = phase
 

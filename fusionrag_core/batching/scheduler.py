@@ -26,7 +26,9 @@ leader, `batching.loop`). Nothing a request owns is kept once it has left.
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -117,6 +119,7 @@ class Scheduler:
         self._running: list[Request] = []
         self._running_bytes = 0
         self._lock = threading.Lock()  # NOTE: `add` and `load` run on any thread
+        self._mean_s = 1.0  # NOTE: a running mean of request durations, for a refusal's retry-after
         self.steps = 0  # decode steps run (a batched step counts once)
         self.batched_rows = 0  # rows over all decode steps: / steps = the mean batch
         self.passes = 0  # last passes of admitted requests run (a packed pass counts once)
@@ -132,16 +135,20 @@ class Scheduler:
             raise OverloadedError(
                 f"this request's KV buffer ({request.kv_bytes / 2**20:.1f} MiB: its prompt plus max_new_tokens) "
                 f"exceeds the scheduler's KV budget ({self.kv_budget_bytes / 2**20:.1f} MiB): raise "
-                "SchedulerConfig.kv_budget_bytes, or send a shorter prompt or a lower max_new_tokens"
+                "SchedulerConfig.kv_budget_bytes, or send a shorter prompt or a lower max_new_tokens",
+                limit="kv_budget_bytes",
             )
         with self._lock:
             # NOTE: a request that finds no one waiting and a running slot free takes it at the next
             # step: it never waits behind others, so max_waiting=0 still serves an idle engine
             runs_next = not self._waiting and len(self._running) < self.config.max_running
             if len(self._waiting) >= self.config.max_waiting and not runs_next:
+                ahead = len(self._waiting) + len(self._running)
+                retry = max(1, math.ceil(ahead * self._mean_s / self.config.max_running))
                 raise OverloadedError(
                     f"{len(self._waiting)} requests are already waiting for the engine (max_waiting="
-                    f"{self.config.max_waiting}): retry later, or raise max_waiting or max_running"
+                    f"{self.config.max_waiting}): retry after {retry} s, or raise max_waiting or max_running",
+                    limit="max_waiting", retry_after_s=retry,
                 )
             self._waiting.append(request)
 
@@ -168,9 +175,11 @@ class Scheduler:
 
     def update(self, output: StepOutput) -> None:
         """Take in what the runner did: requests that ended leave, the counters advance."""
+        now = time.perf_counter()
         with self._lock:
             for r in output.left:
                 self._remove(r)
+                self._mean_s = 0.8 * self._mean_s + 0.2 * (now - r.arrived_at)
         if output.decoded_rows:
             self.steps += 1
             self.batched_rows += output.decoded_rows

@@ -22,7 +22,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -354,6 +354,19 @@ def split_calls(pieces: Iterable[_Piece], fmt: ToolCallFormat, request: ToolRequ
     splitter = ToolCallSplitter(fmt)
     names = frozenset(t.name for t in request.called())
     for piece in pieces:
+        found = splitter.push(piece) if isinstance(piece, str) else [*splitter.finish(), piece]
+        for item in found:
+            yield fmt.parse_call(item.text, names) if isinstance(item, RawCall) else item
+    for item in splitter.finish():
+        yield fmt.parse_call(item.text, names) if isinstance(item, RawCall) else item
+
+
+async def asplit_calls(pieces: AsyncIterable[_Piece], fmt: ToolCallFormat, request: ToolRequest
+                       ) -> AsyncGenerator[str | _Piece | ToolCall | InvalidToolCall, None]:
+    """`split_calls` over an asynchronous stream of pieces."""
+    splitter = ToolCallSplitter(fmt)
+    names = frozenset(t.name for t in request.called())
+    async for piece in pieces:
         found = splitter.push(piece) if isinstance(piece, str) else [*splitter.finish(), piece]
         for item in found:
             yield fmt.parse_call(item.text, names) if isinstance(item, RawCall) else item

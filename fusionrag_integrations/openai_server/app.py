@@ -8,18 +8,23 @@ learned caches).
     GET  /metrics               Prometheus text (metrics.py)
 
 Every prompt gets the reuse an in-process call gets: stored chunks found by content, learned
-caches, spans learned from context (`ReuseSession`). A request waits in a bounded queue
-(admission.py) and is answered 429 with `Retry-After` when it is full. The first token is
-computed before the response starts, so a bad prompt is a 400, never a broken stream; a client
-that disconnects stops its generation at the next token and frees its slot. Errors use OpenAI's
+caches, spans learned from context (`ReuseSession`). The engine's scheduler is the one admission
+point: a request waits in its queue, and its refusal (`OverloadedError`) is answered 429 with
+`Retry-After` (the queue is full) or 503 (a request over the K/V budget); the server sets no limit
+of its own. Pieces reach the event loop from the engine's loop as they are decoded, with no
+thread hop per token (`FusionEngine.astream`). The first token is computed before the response
+starts, so a bad prompt is a 400, never a broken stream; a client that disconnects, while it
+waits or mid-answer, ends its request in the engine and frees its slot. Errors use OpenAI's
 `{"error": {"message", "type", "param", "code"}}` body. Prompts and answers are never logged.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -33,10 +38,9 @@ from starlette.types import Receive, Scope, Send
 from fusionrag_core.engine import Generation
 from fusionrag_core.errors import ContextLengthError, InvalidRequestError, OverloadedError
 from fusionrag_core.query.prompt import FusionPrompt
-from fusionrag_core.query.tools import InvalidToolCall, ToolCall, split_calls
+from fusionrag_core.query.tools import InvalidToolCall, ToolCall, asplit_calls
 from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_integrations.fields import bound_tools
-from fusionrag_integrations.openai_server.admission import Admission, QueueFullError
 from fusionrag_integrations.openai_server.config import ServerConfig
 from fusionrag_integrations.openai_server.metrics import Metrics
 from fusionrag_integrations.openai_server.protocol import (
@@ -54,7 +58,6 @@ from fusionrag_integrations.session import ReuseSession
 
 logger = logging.getLogger(__name__)
 Piece = str | ToolCall | InvalidToolCall | Generation
-_END = object()
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 """Metric label of each generation route."""
 
@@ -96,7 +99,6 @@ class _Server:
         self.session = session
         self.config = config
         self.name = session.engine.name
-        self.admission = Admission(config.max_running, config.max_waiting)
         self.metrics_ = Metrics(session.engine.stats)
 
     # ---- small routes --------------------------------------------------------------------------------
@@ -104,7 +106,9 @@ class _Server:
         return {"status": "ok", "model": self.name}
 
     async def metrics_text(self) -> Response:
-        body = self.metrics_.render(self.admission.running, self.admission.waiting)
+        scheduler = self.session.engine.scheduler
+        load = scheduler.load if scheduler is not None else {"running": 0, "waiting": 0}
+        body = self.metrics_.render(load["running"], load["waiting"])
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self) -> dict[str, Any]:
@@ -181,44 +185,63 @@ class _Stream:
 
     async def respond(self, request: Request, options: RequestOptions,
                       prompt: Callable[[ReuseSources], FusionPrompt], streaming: bool) -> Response:
-        exits = self.exits
-        await exits.enter_async_context(self.server.admission.slot())
+        pieces = self._start(options, await anyio.to_thread.run_sync(self._prompt, options, prompt))
+        self.exits.push_async_callback(pieces.aclose)
         try:
-            if await request.is_disconnected():  # NOTE: it gave up while queued: spend no prefill on it
-                raise HTTPError(499, "the client disconnected", code="client_closed")
-            pieces = await anyio.to_thread.run_sync(self._start, options, prompt)
-            exits.callback(_close, pieces)
-            first = await anyio.to_thread.run_sync(next, pieces, _END)  # NOTE: prefill: a bad prompt fails here
+            first = await self._first(request, pieces)  # NOTE: prefill: a bad prompt fails here
         except BaseException:
-            await exits.aclose()
+            await self.exits.aclose()
             raise
         if not streaming:
-            async with exits:
+            async with self.exits:
                 return JSONResponse(await self._whole(request, pieces, first))
-        return _ReleasingStream(self._events(request, pieces, first), exits, media_type="text/event-stream")
+        return _ReleasingStream(self._events(request, pieces, first), self.exits, media_type="text/event-stream")
 
-    def _start(self, options: RequestOptions, prompt: Callable[[ReuseSources], FusionPrompt]) -> Iterator[Piece]:
-        session = self.server.session
-        sources = session.sources(options)
+    def _prompt(self, options: RequestOptions,
+                prompt: Callable[[ReuseSources], FusionPrompt]) -> tuple[FusionPrompt, ReuseSources]:
+        """The request's prompt and sources (tokenizing, finding chunks by content: a worker thread's job)."""
+        sources = self.server.session.sources(options)
         request_prompt = prompt(sources)
         self.server.check_length(request_prompt)
-        pieces: Iterator[Piece] = session.run(request_prompt, options, sources)
+        return request_prompt, sources
+
+    def _start(self, options: RequestOptions, built: tuple[FusionPrompt, ReuseSources]) -> AsyncGenerator[Piece, None]:
+        session = self.server.session
+        pieces: AsyncGenerator[Piece, None] = session.arun(built[0], options, built[1])
         if options.tools is not None:
-            pieces = split_calls(pieces, session.engine.tool_format, options.tools)
+            pieces = asplit_calls(pieces, session.engine.tool_format, options.tools)
         return pieces
 
-    async def _pieces(self, request: Request, pieces: Iterator[Piece], first: Any) -> AsyncIterator[Piece]:
-        """The pieces, each pulled in a worker thread; stops when the client has gone."""
-        piece = first
-        while piece is not _END:
+    @staticmethod
+    async def _first(request: Request, pieces: AsyncGenerator[Piece, None]) -> Piece:
+        """The first piece; a client that disconnects before it (waiting in the engine's queue, or
+        while its prompt is computed) ends the request instead."""
+        first = asyncio.ensure_future(anext(pieces))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((first, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not first.done():
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            raise HTTPError(499, "the client disconnected", code="client_closed")
+        return first.result()
+
+    async def _pieces(self, request: Request, pieces: AsyncGenerator[Piece, None],
+                      first: Piece) -> AsyncIterator[Piece]:
+        """The pieces as the engine decodes them; stops when the client has gone."""
+        piece: Piece | None = first
+        while piece is not None:
             if isinstance(piece, Generation):
-                await self.exits.aclose()  # NOTE: the slot frees before the client reads the answer's end
+                await self.exits.aclose()  # NOTE: the request has left the engine before the client reads its end
             yield piece
             if isinstance(piece, Generation) or await request.is_disconnected():
                 return
-            piece = await anyio.to_thread.run_sync(next, pieces, _END)
+            piece = await anext(pieces, None)
 
-    async def _whole(self, request: Request, pieces: Iterator[Piece], first: Any) -> dict[str, Any]:
+    async def _whole(self, request: Request, pieces: AsyncGenerator[Piece, None], first: Piece) -> dict[str, Any]:
         text: list[str] = []
         generation: Generation | None = None
         async for piece in self._pieces(request, pieces, first):
@@ -242,7 +265,7 @@ class _Stream:
         return self.envelope.wrap("chat.completion", [choice], usage=usage(generation),
                                   fusionrag=fusionrag_stats(generation, self.invalid))
 
-    async def _events(self, request: Request, pieces: Iterator[Piece], first: Any) -> AsyncIterator[str]:
+    async def _events(self, request: Request, pieces: AsyncGenerator[Piece, None], first: Piece) -> AsyncIterator[str]:
         if self.endpoint == "chat":
             yield sse(self._chunk({"role": "assistant", "content": ""}))
         async for piece in self._pieces(request, pieces, first):
@@ -297,11 +320,10 @@ class _Stream:
                     generation.ttft_s)
 
 
-def _close(pieces: Iterator[Piece]) -> None:
-    """End a generation early (a disconnected client): its generator's KV is dropped now."""
-    close = getattr(pieces, "close", None)
-    if close is not None:
-        close()
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has disconnected (the body is read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class _ReleasingStream(StreamingResponse):
@@ -372,18 +394,17 @@ def _add_error_handlers(app: FastAPI, server: _Server) -> None:
     async def on_invalid(request: Request, exc: Exception) -> JSONResponse:
         return answer(request, HTTPError(400, str(exc)))
 
-    async def on_full(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, QueueFullError)
-        return answer(request, HTTPError(429, str(exc), "rate_limit_error", "queue_full",
-                                         {"Retry-After": str(exc.retry_after_s)}))
-
     async def on_too_long(request: Request, exc: Exception) -> JSONResponse:
         message = f"{exc} (max_new_tokens is the request's max_tokens)"
         return answer(request, HTTPError(400, message, code="context_length_exceeded"))
 
     async def on_overloaded(request: Request, exc: Exception) -> JSONResponse:
-        # NOTE: the engine's scheduler refused it (its queue, or a K/V buffer over its budget): a
-        # server-side limit, retried later or lifted by the operator (the message names it)
+        # NOTE: the engine's scheduler is the one admission point: a full queue is the client's to retry
+        # later (429), a request over the K/V budget the operator's limit (503); the message names it
+        assert isinstance(exc, OverloadedError)
+        if exc.limit == "max_waiting":
+            return answer(request, HTTPError(429, str(exc), "rate_limit_error", "queue_full",
+                                             {"Retry-After": str(exc.retry_after_s or 1)}))
         return answer(request, HTTPError(503, str(exc), "server_error", "engine_overloaded", {"Retry-After": "1"}))
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
@@ -397,7 +418,6 @@ def _add_error_handlers(app: FastAPI, server: _Server) -> None:
 
     app.add_exception_handler(HTTPError, on_http)
     app.add_exception_handler(InvalidRequestError, on_invalid)
-    app.add_exception_handler(QueueFullError, on_full)
     app.add_exception_handler(ContextLengthError, on_too_long)
     app.add_exception_handler(OverloadedError, on_overloaded)
     app.add_exception_handler(RequestValidationError, on_validation)

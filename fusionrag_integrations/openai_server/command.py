@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.cli import Command, open_index, positive_int
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import InvalidRequestError
@@ -29,10 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=defaults.port, help=f"TCP port (default: {defaults.port})")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set, else none)")
-    parser.add_argument("--max-running", type=positive_int, default=defaults.max_running,
-                        help=f"requests generating at once (default: {defaults.max_running})")
-    parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
-                        help=f"requests queued before 429 (default: {defaults.max_waiting})")
+    limits = SchedulerConfig()
+    parser.add_argument("--max-running", type=positive_int, default=limits.max_running,
+                        help=f"requests decoded at once, in one batched step (default: {limits.max_running})")
+    parser.add_argument("--max-waiting", type=int, default=limits.max_waiting,
+                        help=f"requests queued in the engine before 429 (default: {limits.max_waiting})")
     parser.add_argument("--max-body-bytes", type=positive_int, default=defaults.max_body_bytes,
                         help=f"largest request body (default: {defaults.max_body_bytes})")
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=None,
@@ -53,9 +55,17 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     """The command line as a ServerConfig; the API key from --api-key, else the environment; the
     global --selector and --ratio as every request's selection."""
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                        max_running=args.max_running, max_waiting=args.max_waiting,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         selector=getattr(args, "selector", None), ratio=getattr(args, "ratio", None))
+
+
+def scheduler_limits(args: argparse.Namespace) -> SchedulerConfig:
+    """--max-running and --max-waiting: the engine's scheduler's limits, the server's only ones.
+
+    Raises:
+        InvalidRequestError: a limit out of range (`SchedulerConfig`'s checks).
+    """
+    return SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting)
 
 
 def session_for(args: argparse.Namespace, engine: FusionEngine) -> ReuseSession:
@@ -90,7 +100,7 @@ def replica_spec(args: argparse.Namespace, engine: Callable[[], FusionEngine], c
     # NOTE: absolute: replicas run in other working directories (and on other machines).
     return ReplicaSpec(engine_factory=engine, data_dir=str(Path(args.db).expanduser().resolve()),
                        chroma_url=args.chroma_url, redis_url=args.redis_url, collection=args.collection,
-                       server=config)
+                       server=config, limits=scheduler_limits(args))
 
 
 def ray_options(args: argparse.Namespace) -> RayServeOptions | None:
@@ -118,6 +128,7 @@ def run(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequ
     from fusionrag_integrations.openai_server.app import create_app
 
     config = server_config(args)  # NOTE: checked before the model loads
+    limits = scheduler_limits(args)
     scale_out = ray_options(args)
     if scale_out is not None:
         from fusionrag_integrations.openai_server import ray_serve
@@ -127,7 +138,7 @@ def run(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequ
     if config.host != LOOPBACK:
         logger.warning("binding %s: the server is reachable from other machines%s", config.host,
                        "" if config.api_key else " without an API key")
-    app = create_app(session_for(args, engine()), config)
+    app = create_app(session_for(args, engine().with_limits(limits)), config)
     uvicorn.run(app, host=config.host, port=config.port, log_level="info")
     return 0
 
@@ -145,4 +156,5 @@ COMMAND = Command(
     run=run,
 )
 
-__all__ = ["COMMAND", "add_arguments", "ray_options", "replica_spec", "run", "server_config", "session_for"]
+__all__ = ["COMMAND", "add_arguments", "ray_options", "replica_spec", "run", "scheduler_limits", "server_config",
+           "session_for"]

@@ -15,15 +15,14 @@ option in a file)."""
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Limits and access of one OpenAI-compatible server.
+    """Limits and access of one OpenAI-compatible server. How many requests run and wait is the
+    engine's scheduler's to say (`SchedulerConfig`, `fusionrag serve --max-running/--max-waiting`):
+    the server has no queue of its own.
 
     Attributes:
         host: address to bind; loopback unless told otherwise.
         port: TCP port.
         api_key: None: no authentication; else every /v1 request needs `Authorization: Bearer <key>`.
-        max_running: requests generating at once (the engine's scheduler decodes them in one batched
-            step; `SchedulerConfig.max_running` caps the batch).
-        max_waiting: requests queued behind them; one more is answered 429 with `Retry-After`.
         max_body_bytes: largest request body; larger ones are answered 413.
         max_prompt_tokens: longest prompt; None: the model's context window (less the answer's budget).
         default_max_tokens: answer budget when a request sets none.
@@ -38,8 +37,6 @@ class ServerConfig:
     host: str = LOOPBACK
     port: int = 8000
     api_key: str | None = None
-    max_running: int = 16
-    max_waiting: int = 64
     max_body_bytes: int = 4 * 1024 * 1024
     max_prompt_tokens: int | None = None
     default_max_tokens: int = 256
@@ -47,11 +44,9 @@ class ServerConfig:
     ratio: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_body_bytes", "default_max_tokens"):
+        for name in ("max_body_bytes", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_waiting < 0:
-            raise InvalidRequestError(f"max_waiting must be at least 0, got {self.max_waiting}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise InvalidRequestError(f"max_prompt_tokens must be at least 1, got {self.max_prompt_tokens}")
         RequestOptions(selector=self.selector, ratio=self.ratio)  # NOTE: the core's checks, at construction

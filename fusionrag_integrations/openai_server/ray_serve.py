@@ -39,6 +39,7 @@ import torch
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import FusionRAGError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
@@ -66,6 +67,7 @@ class ReplicaSpec:
         redis_url: the Redis KV store of the corpus; None: the disk store under `data_dir`.
         collection: the corpus's collection.
         server: the routes' limits and API key; `host:port` is where Serve's proxy listens.
+        limits: each replica's scheduler limits (`max_running`, `max_waiting`): its one admission point.
         learn: whether replicas learn caches from their requests.
 
     Raises:
@@ -78,6 +80,7 @@ class ReplicaSpec:
     redis_url: str | None = None
     collection: str = DEFAULT_COLLECTION
     server: ServerConfig = field(default_factory=ServerConfig)
+    limits: SchedulerConfig = field(default_factory=SchedulerConfig)
     learn: bool = True
 
     def __post_init__(self) -> None:
@@ -132,7 +135,7 @@ class Replica:
         _bind_replica_grpc_to_node_address()
         torch.set_num_threads(threads)
         self.spec = spec
-        engine = spec.engine_factory()
+        engine = spec.engine_factory().with_limits(spec.limits)
         self.index = _open_corpus(spec, engine)
         store = self.index.store if self.index is not None else None
         self.session = ReuseSession(engine, store, ReuseConfig(data_dir=spec.data_dir, learn=spec.learn))
@@ -376,13 +379,13 @@ def _run(ray: Any, spec: ReplicaSpec, options: RayServeOptions) -> None:
     gpus = options.gpus_per_replica
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= options.replicas else 0.0
-    # NOTE: a replica takes what its server admits (running + waiting); Serve's proxy holds at most
-    # max_waiting more, then answers 503 (OpenAI clients retry it).
+    # NOTE: a replica takes what its engine's scheduler admits (running + waiting); Serve's proxy holds
+    # at most max_waiting more, then answers 503 (OpenAI clients retry it).
     deployment = serve.deployment(
         name=options.name, num_replicas=options.replicas,
         ray_actor_options={"num_cpus": options.threads_per_replica, "num_gpus": gpus},
-        max_ongoing_requests=spec.server.max_running + spec.server.max_waiting,
-        max_queued_requests=max(1, spec.server.max_waiting), health_check_period_s=options.health_check_period_s,
+        max_ongoing_requests=spec.limits.max_running + spec.limits.max_waiting,
+        max_queued_requests=max(1, spec.limits.max_waiting), health_check_period_s=options.health_check_period_s,
         max_constructor_retry_count=options.max_constructor_retry_count,
     )(ingress)
     try:
