@@ -29,14 +29,19 @@ after a rename); a run that never reaches it fails rather than reporting a parti
 
 What is counted (all from the recorded "call" events, in the global order the GIL gives them):
     modules       distinct modules (`fusionrag_core.query.decoding`), core and integrations apart
-    functions     distinct `module:qualname`
+    functions     distinct `module:qualname` (`named` leaves out <genexpr> and <lambda>)
     calls         "call" events; a generator or coroutine resumed counts again (`resumes` of them)
-    threads       distinct threads that ran our code; `thread switches`: how often consecutive
-                  events of the global sequence are on different threads
+    threads       distinct threads that ran our code (`kinds`: a pool's workers counted once, as
+                  which loader worker takes a chunk varies from run to run); `switches`: how often
+                  consecutive events of the global sequence are on different threads
     returns       the global sequence of events, consecutive equal modules merged: how many
                   times it enters a module it has been in before (A->B->A counts 1, A->B->C->B->A
-                  counts 2); `per-thread`: the same on each thread's own sequence, summed;
-                  `first entries`: the global count over events that are not resumes
+                  counts 2) (`ret:calls`); `/thread`: the same on each thread's own sequence,
+                  summed; `ret:fn-walk`: the same over each function's first call only, so loops
+                  (layers, chunks) do not repeat a step and the count does not grow with the
+                  model's depth; JSON `returns_first_entries`: all calls but generator resumes
+    (list/dict/set comprehensions are left out of everything: frames of their own only before
+    Python 3.12)
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/request_walk.py --out walk.json
 
@@ -125,6 +130,7 @@ import contextlib  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 from collections.abc import Callable, Iterator, Sequence  # noqa: E402
@@ -210,6 +216,10 @@ def walk_metrics(events: Sequence[tuple[int, CodeType, bool]], names: dict[int, 
             seen_functions.add(f"{module}:{qualname}")
             first_calls.append((ident, module, qualname))
     returns_functions, function_walk = _returns([module for _, module, _ in first_calls])
+    thread_first: dict[int, list[str]] = {}
+    for ident, module, _ in first_calls:
+        thread_first.setdefault(ident, []).append(module)
+    returns_functions_per_thread = sum(_returns(seq)[0] for seq in thread_first.values())
     threads: dict[int, list[str]] = {}
     for ident, module, _, _ in infos:
         threads.setdefault(ident, []).append(module)
@@ -232,11 +242,14 @@ def walk_metrics(events: Sequence[tuple[int, CodeType, bool]], names: dict[int, 
         "calls": len(infos),
         "resumes": sum(1 for _, _, _, resumed in infos if resumed),
         "threads": len(threads),
+        # a pool's workers are one kind (fusionrag-load_0, fusionrag-load_1): which worker takes a load varies
+        "thread_kinds": len({re.sub(r"[_-]?\d+$", "", names.get(ident, str(ident))) for ident in threads}),
         "thread_switches": switches,
         "returns_global": returns_global,
         "returns_per_thread": sum(per_thread.values()),
         "returns_first_entries": returns_first,
         "returns_function_walk": returns_functions,
+        "returns_function_walk_per_thread": returns_functions_per_thread,
         "thread_detail": [{"thread": names.get(ident, str(ident)), "calls": len(seq),
                            "modules": sorted(set(seq)), "returns": per_thread[ident]}
                           for ident, seq in threads.items()],
@@ -430,15 +443,16 @@ def main(argv: list[str] | None = None) -> int:
             index.close()
 
     header = (f"{'entry':<12} {'modules':>7} {'core':>5} {'integ':>5} {'functions':>9} {'named':>6} {'calls':>6} "
-              f"{'threads':>7} {'switches':>8} {'ret:calls':>9} {'ret:thread':>10} {'ret:fn-walk':>11}")
+              f"{'threads':>7} {'kinds':>5} {'switches':>8} {'ret:calls':>9} {'/thread':>7} {'ret:fn-walk':>11} "
+              f"{'/thread':>7}")
     print(f"\ncut-off: first return of {cutoff[0]}:{cutoff[1]}; code of {origin['root']} at {origin['commit'][:10]}")
     print(header)
     print("-" * len(header))
     for r in results:
         print(f"{r['entry']:<12} {r['modules']:>7} {r['core_modules']:>5} {r['integration_modules']:>5} "
-              f"{r['functions']:>9} {r['named_functions']:>6} {r['calls']:>6} {r['threads']:>7} "
-              f"{r['thread_switches']:>8} {r['returns_global']:>9} {r['returns_per_thread']:>10} "
-              f"{r['returns_function_walk']:>11}")
+              f"{r['functions']:>9} {r['named_functions']:>6} {r['calls']:>6} {r['threads']:>7} {r['thread_kinds']:>5} "
+              f"{r['thread_switches']:>8} {r['returns_global']:>9} {r['returns_per_thread']:>7} "
+              f"{r['returns_function_walk']:>11} {r['returns_function_walk_per_thread']:>7}")
     for r in results:
         threads = ", ".join(f"{t['thread']} ({t['calls']})" for t in r["thread_detail"])
         print(f"{r['entry']}: threads {threads}; cut on {r['cut_thread']}")
