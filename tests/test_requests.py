@@ -196,3 +196,24 @@ def test_serve_limits_are_the_engines_scheduler_limits(one_layer_engine: FusionE
     assert served.decoder is one_layer_engine.decoder  # NOTE: the same weights, not a second model
     assert served.with_limits(limits) is served
     assert not hasattr(serve_command.server_config(args), "max_running")  # NOTE: no second limit in the server
+
+
+def test_a_generation_counts_its_two_prefix_caches_apart(one_layer_engine: FusionEngine) -> None:
+    """The system prefix served from the memo and the head continued from the prefix cache are two
+    counts; together they are `prefix_cached_tokens`."""
+    engine = engine_like(one_layer_engine, SchedulerConfig())
+    engine = engine.with_config(dataclasses.replace(engine.config, prefix_cache=one_layer_engine.config.prefix_cache))
+    caches = _caches(engine)
+    prompt = engine.prompt(QUESTIONS[0], CHUNKS)
+    first = engine.generate(prompt, sampling=SAMPLING, caches=caches)  # NOTE: `_caches` memoised the prefix
+    turn = [{"role": "user", "content": QUESTIONS[0]}]
+    one = engine.prompt_from_messages(turn)
+    engine.generate(one, sampling=SAMPLING)
+    two = engine.prompt_from_messages([*turn, {"role": "assistant", "content": "Ada Vell."},
+                                       {"role": "user", "content": QUESTIONS[1]}])
+    continued = engine.generate(two, sampling=SAMPLING)
+    assert first.system_prefix_tokens == int(prompt.prefix.shape[0]) > 0 and first.kept_prefix_tokens == 0
+    assert continued.kept_prefix_tokens > 0 and continued.system_prefix_tokens == 0
+    for g in (first, continued):
+        assert g.system_prefix_tokens + g.kept_prefix_tokens == g.prefix_cached_tokens
+        g.token_partition()

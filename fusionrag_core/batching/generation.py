@@ -33,9 +33,12 @@ class Generation:
         prefilled_tokens: every other prompt token computed afresh: context with no usable cache
             (unrecognised text included), the question, and the prefix when it was not memoised.
         prefix_cached_tokens: prompt tokens whose K/V came from the engine's memory as an earlier
-            request computed them: a memoised system prefix, or the head of a kept request
-            (`EngineConfig.prefix_cache`; its reused chunk tokens never recomputed count as
-            reused or recomputed instead).
+            request computed them: `system_prefix_tokens + kept_prefix_tokens`.
+        system_prefix_tokens: of those, the system prefix served from the engine's memo of computed
+            system prefixes (`EngineConfig.system_prefixes`).
+        kept_prefix_tokens: of those, the head of a kept request continued from the prefix cache
+            (`EngineConfig.prefix_cache`; its reused chunk tokens never recomputed count as reused or
+            recomputed instead).
         context_tokens: tokens between prefix and question (chunks and the text around them).
         first_token_logits: `[V]` fp32 logits of the first generated position.
         cache_misses: chunk id -> why its cache was not used (it was prefilled instead).
@@ -77,6 +80,8 @@ class Generation:
     prefilled_tokens: int = 0
     context_tokens: int = 0
     prefix_cached_tokens: int = 0
+    system_prefix_tokens: int = 0
+    kept_prefix_tokens: int = 0
     audit: AuditResult | None = None
 
     @property
@@ -98,6 +103,10 @@ class Generation:
         """
         parts = {"reused_tokens": self.reused_tokens, "recomputed_tokens": self.recomputed_tokens,
                  "prefilled_tokens": self.prefilled_tokens, "prefix_cached_tokens": self.prefix_cached_tokens}
+        if self.system_prefix_tokens + self.kept_prefix_tokens not in (0, self.prefix_cached_tokens):
+            raise AccountingError(f"system prefix ({self.system_prefix_tokens}) and kept prefix "
+                                  f"({self.kept_prefix_tokens}) tokens do not make the {self.prefix_cached_tokens} "
+                                  "prefix-cached ones")
         if sum(parts.values()) != self.prompt_tokens:
             raise AccountingError(
                 f"token counts {parts} account for {sum(parts.values())} of {self.prompt_tokens} prompt tokens")
@@ -114,6 +123,8 @@ class Generation:
             "recomputed_tokens": self.recomputed_tokens,
             "prefilled_tokens": self.prefilled_tokens,
             "prefix_cached_tokens": self.prefix_cached_tokens,
+            "system_prefix_tokens": self.system_prefix_tokens,
+            "kept_prefix_tokens": self.kept_prefix_tokens,
             "context_tokens": self.context_tokens,
             "reuse_ratio": self.reuse_ratio,
             "recomputed_fraction": self.recomputed_fraction,
@@ -222,6 +233,8 @@ def generation_of(request: Request, *, kv_tiers: dict[str, int], cache_fallbacks
         prefilled_tokens=account.prefilled,
         context_tokens=context,
         prefix_cached_tokens=account.prefix_cached + account.system_prefix,
+        system_prefix_tokens=account.system_prefix,
+        kept_prefix_tokens=account.prefix_cached,
     )
 
 

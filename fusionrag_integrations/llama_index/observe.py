@@ -38,7 +38,8 @@ from llama_index_instrumentation.span_handlers import BaseSpanHandler
 from fusionrag_integrations.llama_index.calls import recording
 
 _SUMMED = ("prompt_tokens", "completion_tokens", "reused_tokens", "recomputed_tokens", "prefilled_tokens",
-           "prefix_cached_tokens", "context_tokens", "kv_bytes_loaded", "cache_misses", "fused_chunks",
+           "prefix_cached_tokens", "system_prefix_tokens", "kept_prefix_tokens", "context_tokens", "kv_bytes_loaded",
+           "cache_misses", "fused_chunks",
            "independent_chunks", "chunks_without_drift", "total_s")
 _MAX_DEPTH = 256
 _STREAMED: ContextVar[tuple[str, ...]] = ContextVar("fusionrag_streamed_query_texts", default=())
