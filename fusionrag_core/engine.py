@@ -15,38 +15,35 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fusionrag_core.batching.generation import AsyncGenerationStream, Generation, GenerationStream, generation_of
 from fusionrag_core.batching.loop import BatchLoop
 from fusionrag_core.batching.phases import Shared, keep
-from fusionrag_core.batching.prefix_cache import PrefixCache, PrefixCacheConfig
+from fusionrag_core.batching.prefix_cache import PrefixCache
 from fusionrag_core.batching.request import LearnFn, Request, Selection
-from fusionrag_core.batching.runner import Runner, run_alone
-from fusionrag_core.batching.scheduler import Scheduler, SchedulerConfig
+from fusionrag_core.batching.runner import Runner, arun_alone, run_alone
+from fusionrag_core.batching.scheduler import Scheduler, SchedulerConfig, default_kv_budget
 from fusionrag_core.batching.system_prefixes import SystemPrefixes
-from fusionrag_core.errors import ContextLengthError, InvalidRequestError
+from fusionrag_core.engine_config import EngineConfig
+from fusionrag_core.errors import ContextLengthError
 from fusionrag_core.query import audit as audit_lib
 from fusionrag_core.query.audit import Auditor, AuditResult
 from fusionrag_core.query.bad_blobs import BadBlobs
 from fusionrag_core.query.lookup import ChunkLookup, ModelKV, no_caches
 from fusionrag_core.query.prefill import prefill_chunk, prefill_chunks
-from fusionrag_core.query.prompt import DEFAULT_INSTRUCTION, FusionPrompt, PromptLayout
+from fusionrag_core.query.prompt import FusionPrompt, PromptLayout
 from fusionrag_core.query.sampling import SamplingConfig
-from fusionrag_core.query.select import SelectConfig, get_selector
-from fusionrag_core.query.selectors import DEFAULT_SELECTOR
+from fusionrag_core.query.select import get_selector
 from fusionrag_core.query.tools import ToolCallFormat, ToolRequest
 from fusionrag_core.recognise.content_index import Match
 from fusionrag_core.runtime import loading, threads
 from fusionrag_core.runtime.decoder import Decoder
 from fusionrag_core.runtime.kv import ChunkKV, Variant
-from fusionrag_core.runtime.memory import DEFAULT_IDLE_BYTES
 
 if TYPE_CHECKING:
     from fusionrag_core.store.base import KVStore
@@ -54,79 +51,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ChunkInput = str | tuple[str | None, str]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Defaults of every query; each can be overridden per call.
-
-    Attributes:
-        selector: which chunk tokens to recompute: a name in `fusionrag_core.query.select.SELECTORS`
-            (each selector's docstring says what it picks). The default, "drift_aware", is
-            FusionRAG's query-guided selection with a 3/4-depth probe, no budget spent on tokens
-            whose cache is already exact, and the question's attention weighted by each token's
-            fusion drift (`fusionrag_core.query.drift`).
-        select: ratio and selector knobs.
-        cache_variant: which stored cache to prefer: "fused" (FusionRAG) or "independent".
-        exact_first_chunk: with "fused", a chunk right after the system prefix that caches are
-            computed after (the configured instruction's) reuses its independent cache when
-            stored: there it is exactly what full attention computes, while its fused cache
-            attended to neighbours that full attention does not see.
-        instruction: system instruction of the canonical layout.
-        system_prefixes: how many distinct system prefixes to keep computed in memory
-            (`fusionrag_core.batching.system_prefixes`).
-        load_workers: threads that load a request's chunk caches from the store concurrently.
-        audit_rate: share of requests (evenly spread, in [0, 1]) that are also answered with full
-            attention once their answer has streamed, off the critical path; the first-token KL
-            and agreement land in `Generation.audit`, `stats()`, `FusionEngine.audit_summary()`
-            and the `fusionrag_core.query.audit` log (see `fusionrag_core.query.audit`).
-        compile_decode: `torch.compile` each layer's MLP for one-token passes (the decode step).
-            Meant for GPUs: a one-token pass is bound by kernel launches there, and compiling
-            with CUDA graphs ("reduce-overhead") replays a step's kernels without the launch
-            overhead, as gpt-fast does. Off by default: on CPU a step is bound by reading the
-            weights and K/V, and compiling does not pay. The first step of each engine pays the
-            compilation.
-        scheduler: how requests from several threads and event loops share the model, and the
-            engine's one admission point (`fusionrag_core.batching.scheduler`): one loop takes
-            arriving requests to their first token between decode steps and decodes every running
-            request in one batched step. None: each request runs its own passes on its caller's
-            thread (requests on several threads then contend for the cores).
-        prefix_cache: keep every finished request's K/V (prompt and answer) so that a later prompt
-            starting with the same tokens (the next turn of a conversation, an agent's next call)
-            continues from it (`fusionrag_core.batching.prefix_cache`); its reused chunk tokens stay
-            open to the new question's recompute. None: only the system prefix is memoised.
-        packed_linears: on CPU, run the decoder's fp32 projections and vocabulary head (probe,
-            recompute, prefills, decode steps) through oneDNN with weights packed once
-            (`fusionrag_core.runtime.linear`), faster than torch's `F.linear` (MKL) on such
-            few-row products. Costs a second copy of the layers' projection weights and of the
-            head; off keeps `F.linear`. No effect on GPUs or non-fp32 weights.
-        idle_kv_bytes: on CPU, how much memory of finished requests' K/V buffers is kept for the next
-            requests' buffers (`fusionrag_core.runtime.memory`) instead of being handed back to the
-            system, which makes each new buffer touch its pages afresh (slow on VMs whose host
-            reclaims freed memory). 0: every buffer is allocated afresh. On GPUs torch's caching allocator does this.
-    """
-
-    selector: str = DEFAULT_SELECTOR
-    select: SelectConfig = field(default_factory=SelectConfig)
-    cache_variant: Variant = "fused"
-    exact_first_chunk: bool = True
-    instruction: str = DEFAULT_INSTRUCTION
-    system_prefixes: int = 8
-    load_workers: int = 8
-    audit_rate: float = 0.0
-    compile_decode: bool = False
-    packed_linears: bool = True
-    idle_kv_bytes: int = DEFAULT_IDLE_BYTES
-    scheduler: SchedulerConfig | None = field(default_factory=SchedulerConfig)
-    prefix_cache: PrefixCacheConfig | None = field(default_factory=PrefixCacheConfig)
-
-    def __post_init__(self) -> None:
-        if self.idle_kv_bytes < 0:
-            raise InvalidRequestError(f"idle_kv_bytes must be >= 0, got {self.idle_kv_bytes}")
-        if self.load_workers < 1:
-            raise InvalidRequestError(f"load_workers must be >= 1, got {self.load_workers}")
-        if not 0.0 <= self.audit_rate <= 1.0:
-            raise InvalidRequestError(f"audit_rate must be in [0, 1], got {self.audit_rate}")
 
 
 class FusionEngine:
@@ -169,14 +93,14 @@ class FusionEngine:
         self._bad_blobs = BadBlobs()
         self.auditor = Auditor(self.config.audit_rate)
         self._loader = ThreadPoolExecutor(self.config.load_workers, thread_name_prefix="fusionrag-load")
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = loading.eos_token_ids(model, tokenizer)
         self.prefix_cache = (PrefixCache(self.config.prefix_cache, self.fingerprint, self.device)
                              if self.config.prefix_cache is not None else None)
         # NOTE: the prefix every chunk cache is computed after (see `chunk_cache`): a prompt that
         # starts with it has an exact independent cache for its first chunk.
         self._shared = Shared(self.decoder, tokenizer, self.fingerprint, self.system_prefixes, self.prefix_cache,
                               self._loader, self.layout.prefix_ids(self.config.instruction))
-        self.loop = (BatchLoop(Scheduler(self.config.scheduler, self._kv_budget(self.config.scheduler)),
+        self.loop = (BatchLoop(Scheduler(self.config.scheduler, default_kv_budget(self.config.scheduler, self.device)),
                                Runner(self._shared)) if self.config.scheduler is not None else None)
         # NOTE: loading and packing the model ran parallel ops on this thread; the OpenMP pool they left
         # would slow whichever other thread runs the model (`runtime.threads`)
@@ -234,18 +158,6 @@ class FusionEngine:
     def device(self) -> torch.device:
         return self.decoder.device
 
-    def _kv_budget(self, config: SchedulerConfig) -> int:
-        """The running requests' KV byte budget: configured, else half the device memory free now."""
-        if config.kv_budget_bytes is not None:
-            return config.kv_budget_bytes
-        if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-        else:
-            free = psutil.virtual_memory().available
-        log.info("scheduler KV budget: %.1f GiB (half the %s memory free now; SchedulerConfig.kv_budget_bytes "
-                 "sets it)", free / 2 / 2**30, self.device.type)
-        return int(free // 2)
-
     def kv_bytes(self, tokens: int) -> int:
         """Bytes of a KV buffer holding `tokens` tokens (keys and values, every layer)."""
         L, H, D = self.kv_shape
@@ -259,20 +171,6 @@ class FusionEngine:
     def model_kv(self) -> ModelKV:
         """What a chunk cache must match to be used with this engine, and where it is loaded."""
         return ModelKV(self.fingerprint, self.kv_shape, self.device, self.decoder.dtype)
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
-            if isinstance(source, int):
-                ids.add(source)
-            elif isinstance(source, list):
-                ids.update(int(i) for i in source)
-        # chat models end a turn with a template token that is not always the configured EOS
-        for token in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>"):
-            tid = self.tokenizer.convert_tokens_to_ids(token)
-            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid >= 0:
-                ids.add(tid)
-        return ids
 
     # ---- prompts ---------------------------------------------------------------------------------
     def prompt(
@@ -479,14 +377,9 @@ class FusionEngine:
 
     async def _apieces(self, request: Request) -> AsyncIterator[str]:
         request.arrived_at = time.perf_counter()
-        if self.loop is not None:
-            async for piece in self.loop.apieces(request):
-                yield piece
-            return
-        # NOTE: without a scheduler the request runs alone; its passes must not block the event loop
-        pieces = run_alone(request, self._shared)
-        while (alone := await asyncio.to_thread(_next_or_none, pieces)) is not None:
-            yield alone
+        pieces = self.loop.apieces(request) if self.loop is not None else arun_alone(request, self._shared)
+        async for piece in pieces:
+            yield piece
 
     def _finish(self, request: Request) -> Generation:
         """The decoded request kept and learned from (`phases.keep`), its Generation; audited when asked."""
@@ -525,10 +418,6 @@ class FusionEngine:
     def audit_summary(self) -> dict[str, Any]:
         """Live audit totals over the engine's life (see `fusionrag_core.query.audit.Auditor.summary`)."""
         return self.auditor.summary()
-
-
-def _next_or_none(pieces: Iterator[str]) -> str | None:
-    return next(pieces, None)
 
 
 __all__ = ["AsyncGenerationStream", "ChunkInput", "EngineConfig", "FusionEngine", "Generation", "GenerationStream",

@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("recognise",),
     ("query",),
     ("batching",),
-    ("engine",),
+    ("engine", "engine_config"),
     ("ingest",),
     ("reuse",),
     ("index",),

@@ -12,9 +12,10 @@ and a packed pass that fails (say out of memory) is logged and its requests run 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 from fusionrag_core.batching import phases
 from fusionrag_core.batching.phases import Shared
@@ -145,6 +146,18 @@ def run_alone(request: Request, shared: Shared) -> Iterator[str]:
     yield from _drain(request)
 
 
+async def arun_alone(request: Request, shared: Shared) -> AsyncIterator[str]:
+    """`run_alone` for an asyncio consumer: the request's passes run on a worker thread, never on the
+    event loop (a hop per piece: only an engine without a scheduler takes this path)."""
+    pieces = run_alone(request, shared)
+    while (piece := await asyncio.to_thread(_next_or_none, pieces)) is not None:
+        yield piece
+
+
+def _next_or_none(pieces: Iterator[str]) -> str | None:
+    return next(pieces, None)
+
+
 def _drain(request: Request) -> Iterator[str]:
     """The text pieces in the request's output now."""
     while (event := request.output.pop()) is not None:
@@ -152,4 +165,4 @@ def _drain(request: Request) -> Iterator[str]:
             yield event
 
 
-__all__ = ["Runner", "run_alone"]
+__all__ = ["Runner", "arun_alone", "run_alone"]

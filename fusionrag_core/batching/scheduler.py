@@ -26,14 +26,20 @@ leader, `batching.loop`). Nothing a request owns is kept once it has left.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
+import psutil
+import torch
+
 from fusionrag_core.batching.request import Request
 from fusionrag_core.errors import InvalidRequestError, OverloadedError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,16 @@ class SchedulerConfig:
             raise InvalidRequestError(f"SchedulerConfig.max_waiting must be >= 0, got {self.max_waiting}")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes < 1:
             raise InvalidRequestError(f"SchedulerConfig.kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
+
+
+def default_kv_budget(config: SchedulerConfig, device: torch.device) -> int:
+    """The running requests' KV byte budget: configured, else half the device memory free now."""
+    if config.kv_budget_bytes is not None:
+        return config.kv_budget_bytes
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    log.info("scheduler KV budget: %.1f GiB (half the %s memory free now; SchedulerConfig.kv_budget_bytes sets it)",
+             free / 2 / 2**30, device.type)
+    return int(free // 2)
 
 
 @dataclass(frozen=True)
@@ -213,4 +229,4 @@ class Scheduler:
         return False
 
 
-__all__ = ["Scheduler", "SchedulerConfig", "StepOutput", "StepPlan"]
+__all__ = ["Scheduler", "SchedulerConfig", "StepOutput", "StepPlan", "default_kv_budget"]

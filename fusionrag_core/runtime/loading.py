@@ -185,3 +185,20 @@ def fingerprint(model: PreTrainedModel) -> str:
 def context_window(model: PreTrainedModel) -> int:
     config: Any = compat.text_config(model)
     return int(getattr(config, "max_position_embeddings", 0) or 2048)
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The tokens that end an answer: the tokenizer's and the generation config's EOS, and the chat
+    templates' end-of-turn tokens the vocabulary has (a chat model ends a turn with a template token
+    that is not always the configured EOS)."""
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(int(i) for i in source)
+    for token in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+            ids.add(tid)
+    return ids
