@@ -20,10 +20,17 @@ from tests.ingest_worker import tokenizer_dir
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, the workers share the cores: each gets its share of torch threads
-    (two workers with two threads each on two cores only add OpenMP contention)."""
+    (two workers with two threads each on two cores only add OpenMP contention).
+
+    The processes a worker starts (notebook kernels, `subprocess` workers, `python -c` holders) get
+    the same share through OMP_NUM_THREADS, which torch reads at import: otherwise each one spins a
+    pool of its own over every core while the other worker computes too. A value already set wins;
+    code that sets its thread count itself (Ray replicas, ingest workers) still does."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        share = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 
 @pytest.fixture(scope="session", autouse=True)
