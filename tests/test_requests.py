@@ -122,11 +122,11 @@ def test_a_step_that_fails_fails_its_requests_and_the_loop_goes_on(
     run = engine.loop.runner.run
     calls: list[int] = []
 
-    def broken_once(plan: Any) -> Any:
+    def broken_once(plan: Any, *args: Any) -> Any:
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("a defect in the runner (test)")
-        return run(plan)
+        return run(plan, *args)
 
     monkeypatch.setattr(engine.loop.runner, "run", broken_once)
     prompt = engine.prompt(QUESTIONS[0], CHUNKS)

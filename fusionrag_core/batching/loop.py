@@ -149,14 +149,22 @@ class BatchLoop:
         """One step, by the thread holding the lead; releases the lead."""
         try:
             plan = self.scheduler.plan()
+            more: list[Request] = []  # NOTE: admitted while the plan's admissions were stitched
+
+            def admit_more() -> tuple[Request, ...]:
+                admitted = self.scheduler.admit_more()
+                more.extend(admitted)
+                return admitted
+
             try:
-                output = self.runner.run(plan)
+                output = self.runner.run(plan, admit_more)
             except Exception as e:  # NOTE: a defect of the runner itself: its requests fail, the loop goes on
-                log.exception("a step of %d requests failed: they fail with it", len(plan.requests))
-                for r in plan.requests:
+                failed = (*plan.requests, *more)
+                log.exception("a step of %d requests failed: they fail with it", len(failed))
+                for r in failed:
                     if not r.done:
                         r.fail(e)
-                output = StepOutput(left=plan.requests)
+                output = StepOutput(left=failed)
             self.scheduler.update(output)
             load = self.scheduler.load
         finally:

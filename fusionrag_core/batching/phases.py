@@ -36,7 +36,7 @@ from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.recompute import run_passes, sparse_pass
 from fusionrag_core.query.sampling import Sampler, TextAssembler
 from fusionrag_core.query.select import probe_for
-from fusionrag_core.query.stitch import Stitched, prefetch, stitch
+from fusionrag_core.query.stitch import CacheLookup, Stitched, prefetch, stitch
 from fusionrag_core.runtime.decoder import Decoder
 
 
@@ -68,19 +68,20 @@ def stitch_request(request: Request, shared: Shared) -> None:
     """Lay the request out in its buffer: a kept prefix continued, the system prefix, the chunk caches
     re-rotated after them; set its selection budget and the probe its selector reads."""
     plain = request.full_attention
-    if not plain:
-        request.lookup = prefetch(request.prompt, request.lookup, shared.loader, inline=request.in_memory)
+    # NOTE: a local: `request.lookup` stays the request's own (its loads and fallbacks are read at the end)
+    lookup = request.lookup if plain else prefetch(request.prompt, request.lookup, shared.loader,
+                                                   inline=request.in_memory)
     selection = request.selection
     # NOTE: a full recompute (and full attention) must equal a plain prefill, so it continues only exact
     # K/V: a kept turn's question and answer attended to the approximate chunk K/V of its time
-    kept, n, repeat = continued_head(shared.prefix_cache, request.prompt, request.lookup,
+    kept, n, repeat = continued_head(shared.prefix_cache, request.prompt, lookup,
                                      exact_only=plain or selection.recomputes_everything,
                                      selection=(selection.name, selection.ratio))
     if kept is not None:
-        st, budget_base = _stitch_continued(request, shared, kept, n)
+        st, budget_base = _stitch_continued(request, shared, lookup, kept, n)
         request.continued = kept if n == kept.num_tokens else None
     elif not plain:
-        st, budget_base = _stitch_fresh(request, shared)
+        st, budget_base = _stitch_fresh(request, shared, lookup)
     else:
         st, budget_base = _stitch_plain(request, shared)
     request.stitched = st
@@ -90,7 +91,8 @@ def stitch_request(request: Request, shared: Shared) -> None:
     request.enter(Phase.STITCHED)
 
 
-def _stitch_continued(request: Request, shared: Shared, kept: KeptPrefix, n: int) -> tuple[Stitched, int]:
+def _stitch_continued(request: Request, shared: Shared, lookup: CacheLookup, kept: KeptPrefix,
+                      n: int) -> tuple[Stitched, int]:
     """Stitch after the first `n` tokens of a kept prefix; returns the buffer and the budget's base."""
     prompt = request.prompt
     request.continued_runs = tuple(dataclasses.replace(r, end=min(r.end, n)) for r in kept.runs if r.start < n)
@@ -99,7 +101,7 @@ def _stitch_continued(request: Request, shared: Shared, kept: KeptPrefix, n: int
         request.stitched_prompt = FusionPrompt(ids[:n], (), ids[n:])
     else:
         request.stitched_prompt = rest_of(prompt, n)
-    st = stitch(shared.decoder, request.stitched_prompt, head_cache(kept, n), request.lookup,
+    st = stitch(shared.decoder, request.stitched_prompt, head_cache(kept, n), lookup,
                 extra_capacity=request.sampling.max_new_tokens)
     reopened = reopen(st, kept, n)
     request.account.prefilled = int(request.stitched_prompt.question.shape[0])
@@ -111,7 +113,7 @@ def _stitch_continued(request: Request, shared: Shared, kept: KeptPrefix, n: int
     return st, st.num_reused_tokens + max(0, chunk_tokens - reopened)
 
 
-def _stitch_fresh(request: Request, shared: Shared) -> tuple[Stitched, int]:
+def _stitch_fresh(request: Request, shared: Shared, lookup: CacheLookup) -> tuple[Stitched, int]:
     """Stitch after the system prefix (memoised, or computed now)."""
     prompt = request.stitched_prompt = request.prompt
     prefix, memoised = shared.system_prefixes.get(prompt.prefix)
@@ -119,7 +121,7 @@ def _stitch_fresh(request: Request, shared: Shared) -> tuple[Stitched, int]:
     # NOTE: the prefix is either served from memory or computed now: in one count, never both
     request.account.system_prefix = P if memoised else 0
     request.account.prefilled = int(prompt.question.shape[0]) + P - request.account.system_prefix
-    st = stitch(shared.decoder, prompt, prefix, request.lookup, extra_capacity=request.sampling.max_new_tokens,
+    st = stitch(shared.decoder, prompt, prefix, lookup, extra_capacity=request.sampling.max_new_tokens,
                 exact_prefix=torch.equal(prompt.prefix.cpu(), shared.canonical_prefix))
     request.exact_base = P
     if st.exact_slots.numel() and int(st.exact_slots[0]) == request.exact_base:

@@ -31,24 +31,33 @@ class Runner:
     def __init__(self, shared: Shared) -> None:
         self.shared = shared
 
-    def run(self, plan: StepPlan) -> StepOutput:
-        """Execute `plan`; every request that ended in it is in the output's `left`."""
+    def run(self, plan: StepPlan, admit_more: Callable[[], Sequence[Request]] = tuple) -> StepOutput:
+        """Execute `plan`; every request that ended in it is in the output's `left`.
+
+        Args:
+            plan: the step.
+            admit_more: the scheduler's admissions of requests that arrived while the planned ones
+                were stitched (`Scheduler.admit_more`): stitched too, they share the step's passes.
+        """
         left: list[Request] = []
         for r in plan.dropped:
             r.finish()
             left.append(r)
-        started, packs = self._admit(plan.admit, left)
+        started, packs = self._admit(plan.admit, admit_more, left)
         rows = 0
         if plan.step:
             rows = self._decode([r for r in (*plan.decode, *started) if r.phase is Phase.DECODING], left)
         return StepOutput(left=tuple(left), decoded_rows=rows, packs=tuple(packs))
 
     # ---- admissions --------------------------------------------------------------------------------------
-    def _admit(self, admit: Sequence[Request], left: list[Request]) -> tuple[list[Request], list[int]]:
+    def _admit(self, admit: Sequence[Request], admit_more: Callable[[], Sequence[Request]],
+               left: list[Request]) -> tuple[list[Request], list[int]]:
         """Take the admitted requests up to their first token; returns those decoding on, and the
         sizes of the last passes run."""
         stitch = functools.partial(phases.stitch_request, shared=self.shared)
         stitched = [r for r in admit if self._try(stitch, r, left)]
+        while admit and (more := admit_more()):
+            stitched += [r for r in more if self._try(stitch, r, left)]
         self._probe(stitched)
         selected = [r for r in stitched if self._try(phases.select, r, left)]
         packs = self._recompute(selected, left)

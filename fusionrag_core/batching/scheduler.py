@@ -12,6 +12,8 @@ One step:
    the K/V byte budget) and the step's prompt tokens stay within `prefill_tokens_per_step` (at
    least one request per step, so a long prompt is never starved). The runner takes each of
    them up to its first token: stitch, probe (packed), select, recompute (packed), first token.
+   Requests that arrive while those are stitched (their caches load from the store) are admitted
+   into the same step within the same limits (`admit_more`), so they share its packed passes.
 2. **decode**, when requests were running before the step or none was admitted: one batched
    decode step over every running request (those just admitted included). On an idle engine an
    admitting step ends without it, so a lone request's first token waits for no decode step.
@@ -135,6 +137,7 @@ class Scheduler:
         self._running: list[Request] = []
         self._running_bytes = 0
         self._lock = threading.Lock()  # NOTE: `add` and `load` run on any thread
+        self._step_tokens = 0  # NOTE: prompt tokens admitted in the step being run
         self._mean_s = 1.0  # NOTE: a running mean of request durations, for a refusal's retry-after
         self.steps = 0  # decode steps run (a batched step counts once)
         self.batched_rows = 0  # rows over all decode steps: / steps = the mean batch
@@ -175,19 +178,32 @@ class Scheduler:
             for r in dropped:
                 self._remove(r)
             decode = tuple(self._running)
-            admit: list[Request] = []
-            tokens = 0
-            while self._waiting:
-                head = self._waiting[0]
-                room = (len(self._running) < self.config.max_running
-                        and self._running_bytes + head.kv_bytes <= self.kv_budget_bytes)
-                if not room or (tokens and tokens + head.prompt.num_tokens > self.config.prefill_tokens_per_step):
-                    break
-                self._running.append(self._waiting.popleft())
-                self._running_bytes += head.kv_bytes
-                tokens += head.prompt.num_tokens
-                admit.append(head)
-        return StepPlan(dropped=tuple(dropped), admit=tuple(admit), decode=decode, step=bool(decode) or not admit)
+            self._step_tokens = 0
+            admit = self._admit()
+        return StepPlan(dropped=tuple(dropped), admit=admit, decode=decode, step=bool(decode) or not admit)
+
+    def admit_more(self) -> tuple[Request, ...]:
+        """Requests that arrived while this step's admissions were being stitched, within what room and
+        prompt-token budget the step has left: they join its packed passes instead of waiting a step."""
+        with self._lock:
+            return self._admit()
+
+    def _admit(self) -> tuple[Request, ...]:
+        """Move waiting requests to running, in order, while they fit (the lock is held)."""
+        admit: list[Request] = []
+        while self._waiting:
+            head = self._waiting[0]
+            room = (len(self._running) < self.config.max_running
+                    and self._running_bytes + head.kv_bytes <= self.kv_budget_bytes)
+            budget = self.config.prefill_tokens_per_step
+            over = self._step_tokens > 0 and self._step_tokens + head.prompt.num_tokens > budget
+            if not room or over:
+                break
+            self._running.append(self._waiting.popleft())
+            self._running_bytes += head.kv_bytes
+            self._step_tokens += head.prompt.num_tokens
+            admit.append(head)
+        return tuple(admit)
 
     def update(self, output: StepOutput) -> None:
         """Take in what the runner did: requests that ended leave, the counters advance."""
