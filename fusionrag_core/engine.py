@@ -327,7 +327,7 @@ class FusionEngine:
             ContextLengthError, InvalidRequestError: as `stream`.
         """
         request = self._request(prompt, sampling, selector, ratio, caches, variant, store, learn)
-        return AsyncGenerationStream(self._apieces(request), lambda: asyncio.to_thread(self._finish, request))
+        return self._async_stream(request)
 
     def full_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None) -> GenerationStream:
         """The baseline: a plain prefill of every prompt token from position 0, no cache reused."""
@@ -337,6 +337,10 @@ class FusionEngine:
                         sampling: SamplingConfig | None = None) -> AsyncGenerationStream:
         """`full_attention` for asyncio (as `astream`)."""
         request = self._plain_request(prompt, sampling)
+        return self._async_stream(request)
+
+    def _async_stream(self, request: Request) -> AsyncGenerationStream:
+        """The request's pieces on an event loop; its bookkeeping once streamed, in a worker thread."""
         return AsyncGenerationStream(self._apieces(request), lambda: asyncio.to_thread(self._finish, request))
 
     def _plain_request(self, prompt: FusionPrompt, sampling: SamplingConfig | None) -> Request:

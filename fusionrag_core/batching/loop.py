@@ -54,14 +54,8 @@ class BatchLoop:
         """
         self.submit(request)
         try:
-            while True:
-                event = self._next_event(request)
-                if RequestOutput.is_end(event):
-                    return
-                if isinstance(event, BaseException):
-                    raise event
-                assert isinstance(event, str)
-                yield event
+            while (piece := RequestOutput.piece(self._next_event(request))) is not None:
+                yield piece
         finally:
             self.cancel(request)  # NOTE: a consumer that stops reading: a no-op once it has ended
             # NOTE: this thread leads no more steps for this request; a pool left here would slow
@@ -93,14 +87,8 @@ class BatchLoop:
         self.submit(request)
         self._start_driver()
         try:
-            while True:
-                event = await queue.get()
-                if RequestOutput.is_end(event):
-                    return
-                if isinstance(event, BaseException):
-                    raise event
-                assert isinstance(event, str)
-                yield event
+            while (piece := RequestOutput.piece(await queue.get())) is not None:
+                yield piece
         finally:
             self.cancel(request)
 

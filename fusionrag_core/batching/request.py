@@ -155,12 +155,22 @@ class RequestOutput:
         self._push(error)
 
     def pop(self) -> object | None:
-        """The next event (a piece, an exception, or `is_end`), or None when there is none yet."""
+        """The next event (read it with `piece`), or None when there is none yet."""
         return self._events.popleft() if self._events else None
 
     @staticmethod
-    def is_end(event: object) -> bool:
-        return event is _DONE
+    def piece(event: object) -> str | None:
+        """What a consumer makes of an event: its text, or None at the end.
+
+        Raises:
+            Exception: the error that ended the request.
+        """
+        if event is _DONE:
+            return None
+        if isinstance(event, BaseException):
+            raise event
+        assert isinstance(event, str)
+        return event
 
     def _push(self, event: object) -> None:
         if self._queue is not None and self._loop is not None:
