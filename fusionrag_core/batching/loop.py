@@ -10,6 +10,11 @@ as without a scheduler. A request read on an asyncio event loop (`apieces`) cann
 (a step would block the event loop): the loop's own thread leads while such requests exist, and
 each piece reaches the event loop as it is put, with no thread hop per token.
 
+Each consumer is woken for its own pieces as they are put (its first token reaches it before the
+step's decode pass ends), and when a step ends the oldest idle consumer, if any, is woken to lead
+the next one: one wake-up per step, never one per consumer. A consumer that leaves hands on a lead
+it was given and will not take.
+
 NOTE: why consumers lead rather than one dedicated thread: OpenMP (libgomp) keeps a worker pool per
 thread that ever ran a parallel region, and once the pools hold more threads than there are cores
 it stops spinning between regions; a decode step is hundreds of short regions, and on a 2-core
@@ -40,9 +45,13 @@ class BatchLoop:
     def __init__(self, scheduler: Scheduler, runner: Runner) -> None:
         self.scheduler = scheduler
         self.runner = runner
-        self._changed = threading.Condition()  # NOTE: a step ended, or work arrived
+        self._lock = threading.Lock()  # NOTE: guards `_leading` and `_idle`
         self._leading = False
+        # NOTE: the outputs of consumers blocked with nothing to read, oldest first; one of them is
+        # woken to lead when a step ends, so a step never wakes every consumer
+        self._idle: dict[int, RequestOutput] = {}
         self._driver: threading.Thread | None = None
+        self._driver_wake = RequestOutput()  # NOTE: the driver's own wake-ups; it never carries events
 
     # ---- consumers on threads ----------------------------------------------------------------------------
     def pieces(self, request: Request) -> Iterator[str]:
@@ -54,25 +63,30 @@ class BatchLoop:
         """
         self.submit(request)
         try:
-            while (piece := RequestOutput.piece(self._next_event(request))) is not None:
+            while (piece := RequestOutput.piece(self._next_event(request.output))) is not None:
                 yield piece
         finally:
             self.cancel(request)  # NOTE: a consumer that stops reading: a no-op once it has ended
+            self._hand_over()  # NOTE: it may have been handed the lead it will not take now
             # NOTE: this thread leads no more steps for this request; a pool left here would slow
             # whoever leads next (`runtime.threads`)
             threads.release_pool()
 
-    def _next_event(self, request: Request) -> object:
+    def _next_event(self, output: RequestOutput) -> object:
         while True:
-            with self._changed:
-                event = request.output.pop()
-                if event is not None:
-                    return event
-                if self._leading or not self.scheduler.has_work:
-                    self._changed.wait()
-                    continue
-                self._leading = True
-            self._step()
+            event = output.pop()
+            if event is not None:
+                return event
+            if self._lead_or_idle(output):
+                self._step()
+                continue
+            event = output.wait()  # NOTE: its own piece, or the lead handed to it
+            with self._lock:
+                handed = self._idle.pop(id(output), None) is None  # NOTE: `_hand_over` took it out
+            if event is not None:
+                if handed:  # NOTE: a lead handed to a consumer busy with its piece would wait for it
+                    self._hand_over()
+                return event
 
     # ---- consumers on an event loop ------------------------------------------------------------------------
     async def apieces(self, request: Request) -> AsyncIterator[str]:
@@ -84,8 +98,8 @@ class BatchLoop:
             Exception: what failed the request.
         """
         queue = request.output.attach(asyncio.get_running_loop())
-        self.submit(request)
         self._start_driver()
+        self.submit(request)
         try:
             while (piece := RequestOutput.piece(await queue.get())) is not None:
                 yield piece
@@ -93,37 +107,35 @@ class BatchLoop:
             self.cancel(request)
 
     def _start_driver(self) -> None:
-        with self._changed:
+        with self._lock:
             if self._driver is None:
                 self._driver = threading.Thread(target=self._drive, name="fusionrag-loop", daemon=True)
                 self._driver.start()
 
     def _drive(self) -> None:
-        """The loop's own thread: leads whenever there is work and no consumer leads."""
+        """The loop's own thread: leads whenever it is woken and no consumer leads."""
         while True:
-            with self._changed:
-                while self._leading or not self.scheduler.has_work:
-                    self._changed.wait()
-                self._leading = True
-            self._step()
+            if self._lead_or_idle(self._driver_wake):
+                self._step()
+            else:
+                self._driver_wake.wait()
 
     # ---- both --------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
-        """Queue `request` and wake whoever may lead.
+        """Queue `request` and wake an idle consumer (or the loop's thread) to lead, if no one does.
 
         Raises:
             OverloadedError: the scheduler refused it.
         """
         self.scheduler.add(request)
-        with self._changed:
-            self._changed.notify_all()
+        self._hand_over()
 
     def cancel(self, request: Request) -> None:
         """Its consumer stopped reading: it ends now when no one leads, else at the next step."""
         if request.done:
             return
         request.cancelled = True
-        with self._changed:
+        with self._lock:
             if self._leading:
                 return  # NOTE: the leader's next plan drops it
             self._leading = True
@@ -132,6 +144,24 @@ class BatchLoop:
                 request.finish()
         finally:
             self._release()
+
+    def _lead_or_idle(self, output: RequestOutput) -> bool:
+        """Take the lead if no one holds it and there is work; else register `output` as idle (its
+        consumer then waits on it). Returns whether the lead was taken."""
+        with self._lock:
+            if not self._leading and self.scheduler.has_work:
+                self._leading = True
+                return True
+            self._idle[id(output)] = output
+            return False
+
+    def _hand_over(self) -> None:
+        """Wake the oldest idle consumer to lead, when no one leads and there is work."""
+        with self._lock:
+            if self._leading or not self._idle or not self.scheduler.has_work:
+                return
+            waiter = self._idle.pop(next(iter(self._idle)))
+        waiter.wake()
 
     def _step(self) -> None:
         """One step, by the thread holding the lead; releases the lead."""
@@ -162,9 +192,9 @@ class BatchLoop:
             threads.release_pool()
 
     def _release(self) -> None:
-        with self._changed:
+        with self._lock:
             self._leading = False
-            self._changed.notify_all()
+        self._hand_over()
 
 
 __all__ = ["BatchLoop"]

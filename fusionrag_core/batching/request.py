@@ -20,8 +20,8 @@ import asyncio
 import contextlib
 import enum
 import itertools
+import queue
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Container
 from dataclasses import dataclass, field
 
@@ -124,18 +124,20 @@ class TokenAccount:
 
 
 _DONE = object()  # the end of a request's output
+_WAKE = object()  # no event: the consumer is handed the lead (`RequestOutput.wake`)
 _ids = itertools.count()
 
 
 class RequestOutput:
     """A request's text pieces on their way to its consumer, then its end (or the error that ended it).
 
-    The loop puts; the consumer reads from its thread (`pop`, woken by the loop) or, once
+    The loop puts; the consumer reads from its thread (`pop`, or `wait`, which a put or a `wake`
+    ends at once: each consumer is woken for its own pieces, never for another's) or, once
     `attach`ed, awaits them on its event loop (each put is handed to that loop, no thread waits).
     """
 
     def __init__(self) -> None:
-        self._events: deque[object] = deque()
+        self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[object] | None = None
 
@@ -154,9 +156,24 @@ class RequestOutput:
     def fail(self, error: BaseException) -> None:
         self._push(error)
 
+    def wake(self) -> None:
+        """End a `wait` with no event (the loop hands its consumer the lead)."""
+        self._events.put(_WAKE)
+
     def pop(self) -> object | None:
         """The next event (read it with `piece`), or None when there is none yet."""
-        return self._events.popleft() if self._events else None
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return None
+            if event is not _WAKE:
+                return event
+
+    def wait(self) -> object | None:
+        """Block until the next event (returned) or a `wake` (None)."""
+        event = self._events.get()
+        return None if event is _WAKE else event
 
     @staticmethod
     def piece(event: object) -> str | None:
@@ -178,7 +195,7 @@ class RequestOutput:
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
         else:
-            self._events.append(event)
+            self._events.put(event)
 
 
 @dataclass(eq=False)
