@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +30,6 @@ from fusionrag_core.batching.runner import Runner, arun_alone, run_alone
 from fusionrag_core.batching.scheduler import Scheduler, SchedulerConfig, default_kv_budget
 from fusionrag_core.batching.system_prefixes import SystemPrefixes
 from fusionrag_core.engine_config import EngineConfig
-from fusionrag_core.errors import ContextLengthError
 from fusionrag_core.query import audit as audit_lib
 from fusionrag_core.query.audit import Auditor, AuditResult
 from fusionrag_core.query.bad_blobs import BadBlobs
@@ -39,6 +38,7 @@ from fusionrag_core.query.prefill import prefill_chunk, prefill_chunks
 from fusionrag_core.query.prompt import FusionPrompt, PromptLayout
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.query.select import get_selector
+from fusionrag_core.query.stitch import CacheLookup
 from fusionrag_core.query.tools import ToolCallFormat, ToolRequest
 from fusionrag_core.recognise.content_index import Match
 from fusionrag_core.runtime import loading, threads
@@ -62,15 +62,8 @@ class FusionEngine:
         >>> engine.generate(prompt).text
     """
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        *,
-        name: str | None = None,
-        config: EngineConfig | None = None,
-        decoder: Decoder | None = None,
-    ) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, name: str | None = None,
+                 config: EngineConfig | None = None, decoder: Decoder | None = None) -> None:
         """Args:
             model, tokenizer: a Llama-family transformers model and its tokenizer.
             name: how results name the model (default: its `_name_or_path`).
@@ -107,14 +100,8 @@ class FusionEngine:
         threads.release_pool()
 
     @classmethod
-    def from_pretrained(
-        cls,
-        model: str | Path | None = None,
-        *,
-        device: str | torch.device | None = None,
-        dtype: str | torch.dtype | None = None,
-        config: EngineConfig | None = None,
-    ) -> FusionEngine:
+    def from_pretrained(cls, model: str | Path | None = None, *, device: str | torch.device | None = None,
+                        dtype: str | torch.dtype | None = None, config: EngineConfig | None = None) -> FusionEngine:
         """Load a model and build an engine.
 
         Args:
@@ -158,11 +145,6 @@ class FusionEngine:
     def device(self) -> torch.device:
         return self.decoder.device
 
-    def kv_bytes(self, tokens: int) -> int:
-        """Bytes of a KV buffer holding `tokens` tokens (keys and values, every layer)."""
-        L, H, D = self.kv_shape
-        return 2 * L * H * D * tokens * self.decoder.dtype.itemsize
-
     @property
     def kv_shape(self) -> tuple[int, int, int]:
         return self.decoder.kv_shape
@@ -173,9 +155,8 @@ class FusionEngine:
         return ModelKV(self.fingerprint, self.kv_shape, self.device, self.decoder.dtype)
 
     # ---- prompts ---------------------------------------------------------------------------------
-    def prompt(
-        self, question: str, chunks: Sequence[ChunkInput] = (), *, instruction: str | None = None
-    ) -> FusionPrompt:
+    def prompt(self, question: str, chunks: Sequence[ChunkInput] = (), *,
+               instruction: str | None = None) -> FusionPrompt:
         """The canonical request: instruction, passages in order, question.
 
         Args:
@@ -190,16 +171,10 @@ class FusionEngine:
             instruction or self.config.instruction,
         )
 
-    def prompt_from_messages(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        find: Callable[[str], Sequence[Match]] | None = None,
-        documents: Mapping[str, str] | None = None,
-        has_cache: Callable[[str], bool] | None = None,
-        spans: Mapping[str, str] | None = None,
-        tools: ToolRequest | None = None,
-    ) -> FusionPrompt:
+    def prompt_from_messages(self, messages: Sequence[Mapping[str, Any]], *,
+                             find: Callable[[str], Sequence[Match]] | None = None,
+                             documents: Mapping[str, str] | None = None, has_cache: Callable[[str], bool] | None = None,
+                             spans: Mapping[str, str] | None = None, tools: ToolRequest | None = None) -> FusionPrompt:
         """A request from chat messages: chunks found by mark, by content (`find`), as retrieved
         `documents` or as `spans` of the context (content id -> text, both) become chunk segments;
         a mark whose id fails `has_cache` is found by its text instead (see `PromptLayout.from_messages`).
@@ -208,15 +183,9 @@ class FusionEngine:
         return self.layout.from_messages(messages, find=find, documents=documents, has_cache=has_cache, spans=spans,
                                          tools=tools)
 
-    def prompt_from_text(
-        self,
-        text: str,
-        *,
-        find: Callable[[str], Sequence[Match]] | None = None,
-        documents: Mapping[str, str] | None = None,
-        has_cache: Callable[[str], bool] | None = None,
-        spans: Mapping[str, str] | None = None,
-    ) -> FusionPrompt:
+    def prompt_from_text(self, text: str, *, find: Callable[[str], Sequence[Match]] | None = None,
+                         documents: Mapping[str, str] | None = None, has_cache: Callable[[str], bool] | None = None,
+                         spans: Mapping[str, str] | None = None) -> FusionPrompt:
         """A raw text request (a completion, no chat template), chunks found as in `prompt_from_messages`."""
         return self.layout.from_text(text, find=find, documents=documents, has_cache=has_cache, spans=spans)
 
@@ -230,9 +199,8 @@ class FusionEngine:
         """The exact cache of a system prefix `[P]`, computed once and kept (`EngineConfig.system_prefixes`)."""
         return self.system_prefixes.get(prefix_ids)[0]
 
-    def chunk_cache(
-        self, text: str | torch.Tensor, neighbours: Sequence[ChunkKV] = (), *, instruction: str | None = None
-    ) -> ChunkKV:
+    def chunk_cache(self, text: str | torch.Tensor, neighbours: Sequence[ChunkKV] = (), *,
+                    instruction: str | None = None) -> ChunkKV:
         """A chunk's cache: independent (no neighbours) or fused after `neighbours`, in order.
 
         Args:
@@ -244,9 +212,7 @@ class FusionEngine:
         prefix = self.system_prefix(self.layout.prefix_ids(instruction or self.config.instruction))
         return prefill_chunk(self.decoder, prefix, ids.to(self.device), self.fingerprint, neighbours)
 
-    def chunk_caches(
-        self, token_ids: Sequence[torch.Tensor], neighbours: Sequence[Sequence[ChunkKV]]
-    ) -> list[ChunkKV]:
+    def chunk_caches(self, token_ids: Sequence[torch.Tensor], neighbours: Sequence[Sequence[ChunkKV]]) -> list[ChunkKV]:
         """`chunk_cache` for several chunks (ids from `layout.chunk_ids`) in one packed pass; equal
         to one call per chunk within fp tolerance (see `prefill.prefill_chunks`)."""
         if len(token_ids) == 1:
@@ -256,34 +222,16 @@ class FusionEngine:
                               neighbours)
 
     # ---- generation ------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompt: FusionPrompt,
-        *,
-        store: KVStore | None = None,
-        sampling: SamplingConfig | None = None,
-        selector: str | None = None,
-        ratio: float | None = None,
-        caches: Mapping[str, ChunkKV] | None = None,
-        variant: Variant | None = None,
-        learn: LearnFn | None = None,
-    ) -> Generation:
+    def generate(self, prompt: FusionPrompt, *, store: KVStore | None = None, sampling: SamplingConfig | None = None,
+                 selector: str | None = None, ratio: float | None = None, caches: Mapping[str, ChunkKV] | None = None,
+                 variant: Variant | None = None, learn: LearnFn | None = None) -> Generation:
         """Answer `prompt` and return the finished Generation; the arguments are `stream`'s."""
         return self.stream(prompt, store=store, sampling=sampling, selector=selector, ratio=ratio, caches=caches,
                            variant=variant, learn=learn).collect()
 
-    def stream(
-        self,
-        prompt: FusionPrompt,
-        *,
-        store: KVStore | None = None,
-        sampling: SamplingConfig | None = None,
-        selector: str | None = None,
-        ratio: float | None = None,
-        caches: Mapping[str, ChunkKV] | None = None,
-        variant: Variant | None = None,
-        learn: LearnFn | None = None,
-    ) -> GenerationStream:
+    def stream(self, prompt: FusionPrompt, *, store: KVStore | None = None, sampling: SamplingConfig | None = None,
+               selector: str | None = None, ratio: float | None = None, caches: Mapping[str, ChunkKV] | None = None,
+               variant: Variant | None = None, learn: LearnFn | None = None) -> GenerationStream:
         """Answer `prompt`, streaming text pieces. Nothing runs (and the TTFT clock does not start)
         until the stream is first read; the scheduler's limits are checked then.
 
@@ -306,18 +254,9 @@ class FusionEngine:
         request = self._request(prompt, sampling, selector, ratio, caches, variant, store, learn)
         return GenerationStream(self._pieces(request))
 
-    def astream(
-        self,
-        prompt: FusionPrompt,
-        *,
-        store: KVStore | None = None,
-        sampling: SamplingConfig | None = None,
-        selector: str | None = None,
-        ratio: float | None = None,
-        caches: Mapping[str, ChunkKV] | None = None,
-        variant: Variant | None = None,
-        learn: LearnFn | None = None,
-    ) -> AsyncGenerationStream:
+    def astream(self, prompt: FusionPrompt, *, store: KVStore | None = None, sampling: SamplingConfig | None = None,
+                selector: str | None = None, ratio: float | None = None, caches: Mapping[str, ChunkKV] | None = None,
+                variant: Variant | None = None, learn: LearnFn | None = None) -> AsyncGenerationStream:
         """`stream` for asyncio: `async for` the pieces. With the scheduler, the engine's loop thread
         runs the model and each piece reaches the event loop as it is decoded (no thread hop per
         piece); without one, the request runs alone on a worker thread.
@@ -344,34 +283,30 @@ class FusionEngine:
         return AsyncGenerationStream(self._apieces(request), lambda: asyncio.to_thread(self._finish, request))
 
     def _plain_request(self, prompt: FusionPrompt, sampling: SamplingConfig | None) -> Request:
-        sampling = sampling or SamplingConfig()
-        self._check_length(prompt, sampling)
-        return Request(prompt, sampling, Selection("full_attention", get_selector("none"), self.config.select),
-                       no_caches, self.kv_bytes(prompt.num_tokens + sampling.max_new_tokens), full_attention=True,
-                       eos_ids=self.eos_ids)
+        selection = Selection("full_attention", get_selector("none"), self.config.select)
+        return self._new_request(prompt, sampling, selection, no_caches, full_attention=True)
 
     def _request(self, prompt: FusionPrompt, sampling: SamplingConfig | None, selector: str | None,
                  ratio: float | None, caches: Mapping[str, ChunkKV] | None, variant: Variant | None,
                  store: KVStore | None, learn: LearnFn | None) -> Request:
         """A new request for `stream`'s arguments, its defaults from the engine's configuration."""
-        sampling = sampling or SamplingConfig()
         select_config = self.config.select if ratio is None else dataclasses.replace(self.config.select, ratio=ratio)
         name = selector or self.config.selector
-        selection = Selection(name, get_selector(name), select_config)
-        self._check_length(prompt, sampling)
         exact_first = self.config.exact_first_chunk and torch.equal(prompt.prefix.cpu(), self._shared.canonical_prefix)
         lookup = ChunkLookup(self.model_kv, caches=caches, store=store, variant=variant or self.config.cache_variant,
                              exact_first=exact_first, bad_blobs=self._bad_blobs)
-        return Request(prompt, sampling, selection, lookup, self.kv_bytes(prompt.num_tokens + sampling.max_new_tokens),
-                       in_memory=caches or (), learn=learn, audit=self.auditor.should_audit(), eos_ids=self.eos_ids)
+        return self._new_request(prompt, sampling, Selection(name, get_selector(name), select_config), lookup,
+                                 in_memory=caches or (), learn=learn, audit=self.auditor.should_audit())
 
-    def _check_length(self, prompt: FusionPrompt, sampling: SamplingConfig) -> None:
-        need = prompt.num_tokens + sampling.max_new_tokens
-        if need > self.context_window:
-            raise ContextLengthError(
-                f"prompt of {prompt.num_tokens} tokens + {sampling.max_new_tokens} new tokens exceeds the model's "
-                f"context window of {self.context_window}; retrieve fewer or smaller chunks, or lower max_new_tokens"
-            )
+    def _new_request(self, prompt: FusionPrompt, sampling: SamplingConfig | None, selection: Selection,
+                     lookup: CacheLookup, *, full_attention: bool = False, in_memory: Container[str] = (),
+                     learn: LearnFn | None = None, audit: bool = False) -> Request:
+        """A request whose prompt and new tokens fit the context window (else ContextLengthError)."""
+        sampling = sampling or SamplingConfig()
+        prompt.check_fits(sampling.max_new_tokens, self.context_window)
+        kv_bytes = self.decoder.kv_bytes(prompt.num_tokens + sampling.max_new_tokens)
+        return Request(prompt, sampling, selection, lookup, kv_bytes, full_attention=full_attention,
+                       in_memory=in_memory, learn=learn, audit=audit, eos_ids=self.eos_ids)
 
     def _pieces(self, request: Request) -> Iterator[str | Generation]:
         """The request's text pieces, then its Generation (a generator: nothing runs until read)."""
@@ -413,10 +348,7 @@ class FusionEngine:
         if self.prefix_cache is not None:
             out.update(self.prefix_cache.stats())
         if self.scheduler is not None:
-            load = self.scheduler.load
-            out.update(decode_steps=self.scheduler.steps, decode_rows=self.scheduler.batched_rows,
-                       sparse_passes=self.scheduler.passes, sparse_pass_requests=self.scheduler.packed_requests,
-                       running=load["running"], waiting=load["waiting"], running_kv_bytes=load["kv_bytes"])
+            out.update(self.scheduler.stats())
         return out
 
     def audit_summary(self) -> dict[str, Any]:

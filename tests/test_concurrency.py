@@ -16,11 +16,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from fusionrag_core.batching.request import Request
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest.config import IngestConfig
@@ -159,13 +161,13 @@ def test_two_indexes_on_one_engine_read_their_own_stores(engine: FusionEngine, t
     serial = {name: ask(name) for name in CORPORA}
     assert all("misses=[]" in answer for answer in serial.values()), serial
     barrier = threading.Barrier(2, timeout=30)
-    check_length = engine._check_length
+    new_request = engine._new_request
 
-    def held(*args: object) -> None:
+    def held(*args: Any, **kwargs: Any) -> Request:
         barrier.wait()
-        check_length(*args)  # type: ignore[arg-type]
+        return new_request(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "_check_length", held)
+    monkeypatch.setattr(engine, "_new_request", held)
     answers: dict[str, str] = {}
     threads = [threading.Thread(target=lambda n=name: answers.__setitem__(n, ask(n))) for name in CORPORA]
     for t in threads:

@@ -301,7 +301,7 @@ def test_a_stream_closed_early_leaves_the_batch_and_the_others_finish(
     quitter = dataclasses.replace(llama_requests[3], sampling=SamplingConfig(max_new_tokens=64))
     stayer = llama_requests[4]
     want = stayer.answer(llama_serial)
-    stayer_bytes = llama.kv_bytes(llama.prompt(*stayer.prompt_args).num_tokens + stayer.sampling.max_new_tokens)
+    stayer_bytes = llama.decoder.kv_bytes(llama.prompt(*stayer.prompt_args).num_tokens + stayer.sampling.max_new_tokens)
 
     abandoned = quitter.stream(llama)
     reader = iter(abandoned)
@@ -344,7 +344,7 @@ def test_a_request_over_the_kv_budget_alone_is_refused_and_one_that_fits_exactly
     llama: FusionEngine, llama_serial: FusionEngine, llama_requests: list[Request], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     request = llama_requests[0]
-    need = llama.kv_bytes(llama.prompt(*request.prompt_args).num_tokens + request.sampling.max_new_tokens)
+    need = llama.decoder.kv_bytes(llama.prompt(*request.prompt_args).num_tokens + request.sampling.max_new_tokens)
     use_scheduler(llama, SchedulerConfig(kv_budget_bytes=need - 1), monkeypatch)
     stream = request.stream(llama)  # NOTE: lazy: the limit is checked when the stream is first read
     with pytest.raises(OverloadedError, match="kv_budget_bytes"):
@@ -360,7 +360,8 @@ def test_a_budget_for_one_request_serves_concurrent_requests_one_at_a_time(
     llama: FusionEngine, llama_serial: FusionEngine, llama_requests: list[Request], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     requests = llama_requests[4:8]
-    sizes = [llama.kv_bytes(llama.prompt(*r.prompt_args).num_tokens + r.sampling.max_new_tokens) for r in requests]
+    sizes = [llama.decoder.kv_bytes(llama.prompt(*r.prompt_args).num_tokens + r.sampling.max_new_tokens)
+             for r in requests]
     assert 2 * min(sizes) > max(sizes)  # the budget below fits any one of them, never two
     use_scheduler(llama, SchedulerConfig(kv_budget_bytes=max(sizes)), monkeypatch)
     batches = record_batches(llama, monkeypatch)

@@ -234,6 +234,14 @@ class Scheduler:
         with self._lock:
             return {"running": len(self._running), "waiting": len(self._waiting), "kv_bytes": self._running_bytes}
 
+    def stats(self) -> dict[str, int]:
+        """Lifetime step totals (decode steps and their rows, packed passes and the requests they
+        carried) and the load now (`load`)."""
+        load = self.load
+        return {"decode_steps": self.steps, "decode_rows": self.batched_rows, "sparse_passes": self.passes,
+                "sparse_pass_requests": self.packed_requests, "running": load["running"],
+                "waiting": load["waiting"], "running_kv_bytes": load["kv_bytes"]}
+
     def _remove(self, request: Request) -> bool:
         if request in self._running:
             self._running.remove(request)

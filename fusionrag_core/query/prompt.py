@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.errors import ContextLengthError, InvalidRequestError
 from fusionrag_core.query.tools import ChatTools, ToolRequest
 from fusionrag_core.recognise.content_index import ANCHOR_CHARS, Match
 from fusionrag_core.recognise.marks import MarkedChunk, mark_chunk, split_marks
@@ -107,6 +107,13 @@ class FusionPrompt:
     def token_ids(self) -> torch.Tensor:
         """The whole prompt `[T]`, as a plain prefill would see it."""
         return torch.cat([self.prefix, *(s.token_ids for s in self.segments), self.question])
+
+    def check_fits(self, max_new_tokens: int, context_window: int) -> None:
+        """Raises ContextLengthError unless the prompt and `max_new_tokens` fit in `context_window`."""
+        if self.num_tokens + max_new_tokens > context_window:
+            raise ContextLengthError(
+                f"prompt of {self.num_tokens} tokens + {max_new_tokens} new tokens exceeds the model's context "
+                f"window of {context_window}; retrieve fewer or smaller chunks, or lower max_new_tokens")
 
 
 def _ids(values: Sequence[int]) -> torch.Tensor:

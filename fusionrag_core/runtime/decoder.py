@@ -146,6 +146,10 @@ class Decoder:
         """`(L, H, D)` of every K/V tensor this model produces."""
         return (self.num_layers, self.num_kv_heads, self.head_dim)
 
+    def kv_bytes(self, tokens: int) -> int:
+        """Bytes of a KV buffer holding `tokens` tokens (keys and values, every layer)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * tokens * self.dtype.itemsize
+
     def new_buffer(self, capacity: int) -> KVBuffer:
         return KVBuffer(self.num_layers, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype,
                         device=self.device, memory=self.memory)
