@@ -28,7 +28,7 @@ test: install
 	bash scripts/ensure_servers.sh
 	$(PY) -m ruff check fusionrag_core fusionrag_integrations tests benchmarks
 	$(PY) -m mypy
-	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 lint: install
 	$(PY) -m ruff check fusionrag_core fusionrag_integrations tests benchmarks
