@@ -27,7 +27,7 @@ def _tiered(tmp_path: Path, device_entries: float, host_entries: float) -> Tiere
 
 
 def _tier(store: TieredKVStore, cid: str) -> str:
-    return store.get_tiered(cid, "independent", fingerprint=FP)[1]
+    return store.get_with_source(cid, "independent", fingerprint=FP)[1]
 
 
 def test_hits_promote_and_lru_evicts_by_bytes(tmp_path: Path) -> None:
@@ -50,7 +50,7 @@ def test_drop_copies_empties_the_tiers_and_keeps_the_blobs(tmp_path: Path) -> No
     store.inner.put("c0", newer := make_kv(n_tokens=5, seed=9))  # NOTE: a write around the tiers (Ray workers')
     store.drop_copies()
     assert store.stats()["device_used_bytes"] == store.stats()["host_used_bytes"] == 0
-    kv, tier = store.get_tiered("c0", "independent", fingerprint=FP)
+    kv, tier = store.get_with_source("c0", "independent", fingerprint=FP)
     assert tier == "store" and torch.equal(kv.keys, newer.keys)
 
 
@@ -65,7 +65,7 @@ def test_writes_invalidate_and_tier_hits_are_validated(tmp_path: Path) -> None:
     _tier(store, "c0")
     newer = make_kv(n_tokens=5, seed=9)
     store.put("c0", newer)
-    kv, tier = store.get_tiered("c0", "independent", fingerprint=FP)
+    kv, tier = store.get_with_source("c0", "independent", fingerprint=FP)
     assert tier == "store" and torch.equal(kv.keys, newer.keys)
     with pytest.raises(CacheMismatchError):
         store.get("c0", "independent", fingerprint="0" * 64)  # a tier hit of another model's cache

@@ -181,20 +181,6 @@ class TieredKVStore(KVStore):
             kv = kv.to(target, dtype or self.dtype)
         return kv, tier
 
-    def get_tiered(
-        self,
-        chunk_id: str,
-        variant: Variant,
-        *,
-        fingerprint: str,
-        shape: tuple[int, int, int] | None = None,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype | None = None,
-    ) -> tuple[ChunkKV, CacheSource]:
-        """`get_with_source` (its earlier name, kept for callers of this class)."""
-        return self.get_with_source(chunk_id, variant, fingerprint=fingerprint, shape=shape, device=device,
-                                    dtype=dtype)
-
     def get(
         self,
         chunk_id: str,
