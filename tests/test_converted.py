@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.runtime import compat, converted, loading
@@ -109,3 +110,19 @@ def test_a_write_removes_temporary_copies_a_killed_process_left(default_engine: 
     os.utime(abandoned, (time.time() - 2 * 3600, time.time() - 2 * 3600))
     converted.write(slot, default_engine.model, default_engine.tokenizer, default_engine.fingerprint)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".copy.writing.tmp", "copy"]
+
+
+def test_a_model_the_saver_refuses_is_reported_and_leaves_nothing(tokenizer: PreTrainedTokenizerBase,
+                                                                   tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """safetensors refuses weights that are partial views of one storage (a RuntimeError, not an
+    OSError): the load that converted the model keeps it, as for a full disk."""
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
+    shared = torch.zeros(64, 32)
+    model.model.embed_tokens.weight = torch.nn.Parameter(shared[:, :16])
+    model.lm_head.weight = torch.nn.Parameter(shared[:, 16:])
+    with caplog.at_level(logging.WARNING, logger=converted.__name__):
+        converted.write(tmp_path / "copy", model, tokenizer, "0" * 32)
+    assert "could not keep the converted weights" in caplog.text and "RuntimeError" in caplog.text
+    assert list(tmp_path.iterdir()) == []

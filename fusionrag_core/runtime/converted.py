@@ -8,8 +8,8 @@ an old copy. A copy is written in a temporary directory, its manifest last, and 
 whole: a reader sees a complete copy or none. It is used only if its manifest matches and the
 weights it loads have the fingerprint recorded at conversion (`loading.load` checks); otherwise it
 is removed, the .gguf file is converted again and a warning says so. A copy that cannot be written
-(a full disk, a cache directory that cannot be created) costs the next load its speed, never this
-load its model: a warning says so.
+(a full disk, a cache directory that cannot be created, weights the saver refuses) costs the next
+load its speed, never this load its model: a warning says so.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def write(slot: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         (temporary / MANIFEST).write_text(json.dumps({"fingerprint": fingerprint, "format": _FORMAT}),
                                           encoding="utf-8")
         os.rename(temporary, slot)
-    except OSError as exc:
+    except Exception as exc:  # NOTE: a disk error or a model the saver refuses: never this load's model
         shutil.rmtree(temporary, ignore_errors=True)
         if (slot / MANIFEST).is_file():
             return  # NOTE: another process kept the same copy first
