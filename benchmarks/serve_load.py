@@ -17,6 +17,13 @@ the chunks in the KV store by their content, as it would for any OpenAI client).
    equal their reference, the server's own /metrics counters; written to `<out>/results.json`
    and printed as a table.
 
+With `--hostile-clients H`, the load runs three times on the same server: clean, then with H more
+clients sending hostile requests for as long as the ordinary ones run (a megabyte stop string, a body
+nested 5,000 deep, a lone surrogate, a cyclic schema, out-of-range numbers, a malformed tool call, an
+unknown route, a body that never finishes arriving), then clean again. The report adds each hostile
+kind's statuses and the ordinary requests' TTFT p95 under attack over the mean of the two clean
+passes' (`hostile.ttft_p95_ratio`).
+
 `--timeout` bounds the run from when the model has loaded: the ingest and each question's reference
 answer always run, the rest stops at the deadline, and what did not finish is counted ("not run" in
 the in-process pass, "timeout" in the load), never left out. The exit status is 1 when a request
@@ -235,6 +242,125 @@ async def load(base_url: str, requests: Sequence[LoadRequest], clients: int, dea
     return [outcomes.get(i, Outcome("timeout")) for i in range(len(requests))]
 
 
+# ---- hostile clients ----------------------------------------------------------------------------------
+def hostile_bodies(ordinary: dict[str, Any]) -> dict[str, bytes]:
+    """The hostile chat bodies, as raw JSON bytes (ASCII-escaped, so a lone surrogate travels as JSON
+    allows), each built on an ordinary request: what a server must refuse or bound, whatever it costs."""
+    def variant(**changes: Any) -> bytes:
+        return json.dumps({**ordinary, **changes}).encode()
+
+    messages = ordinary["messages"]
+    return {
+        "megabyte_stop": variant(stop=["x" * 1_000_000], max_tokens=8),
+        "deep_json": b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        "lone_surrogate": variant(messages=[*messages[:-1], {"role": "user", "content": "Who?\ud800"}]),
+        "cyclic_schema": variant(response_format={"type": "json_schema",
+                                                  "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}),
+        "infinite_temperature": variant(temperature=1e308),
+        "huge_seed": variant(seed=2**80),
+        "malformed_tool_calls": variant(messages=[*messages, {"role": "assistant", "tool_calls": "notalist"},
+                                                  {"role": "user", "content": "Go on."}]),
+    }
+
+
+async def hostile_client(base_url: str, bodies: dict[str, bytes], stop: asyncio.Event,
+                         statuses: dict[str, Counter[str]]) -> None:
+    """Send the hostile kinds round-robin until `stop` is set, counting each kind's statuses."""
+    kinds = [*bodies, "unknown_route", "stalled_body"]
+    async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as client:
+        for i in range(10**9):
+            if stop.is_set():
+                return
+            kind = kinds[i % len(kinds)]
+            try:
+                if kind == "unknown_route":
+                    response = await client.get("/v1/nothing-here")
+                    status = f"{response.status_code} {_error_message(response)[:100]!r}"
+                elif kind == "stalled_body":
+                    status = await stalled_body(base_url, stop)
+                else:
+                    response = await client.post("/v1/chat/completions", content=bodies[kind],
+                                                 headers={"content-type": "application/json"})
+                    status = str(response.status_code)
+                    if response.status_code >= 400:
+                        status += f" {_error_message(response)[:100]!r}"
+            except httpx.HTTPError as e:
+                status = type(e).__name__
+            statuses.setdefault(kind, Counter())[status] += 1
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The message of an OpenAI-shaped error body, else the body itself."""
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text
+
+
+async def stalled_body(base_url: str, stop: asyncio.Event) -> str:
+    """Headers announcing 1,000 bytes, then 10 of them, then nothing: "closed" when the server hangs
+    up first (with its status line if it answered), "held" when the load ended first."""
+    host, port = base_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: 1000\r\n\r\n{{\"messages\"".encode())
+        await writer.drain()
+        read = asyncio.ensure_future(reader.read(200))
+        ended = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([read, ended], return_when=asyncio.FIRST_COMPLETED)
+        if not read.done():
+            read.cancel()
+            return "held"
+        ended.cancel()
+        line = read.result().split(b"\r\n", 1)[0].decode(errors="replace")
+        return f"closed {line.split(' ')[1]}" if line.startswith("HTTP/") else "closed"
+    except OSError:  # NOTE: the server reset the connection
+        return "closed"
+    finally:
+        writer.close()
+
+
+async def load_under_attack(base_url: str, requests: Sequence[LoadRequest], clients: int, hostile: int,
+                            deadline: float) -> tuple[list[Outcome], dict[str, dict[str, int]]]:
+    """`load` with `hostile` more clients sending hostile requests until the ordinary ones end."""
+    bodies = hostile_bodies(requests[0].body | {"stream": False})
+    statuses: dict[str, Counter[str]] = {}
+    stop = asyncio.Event()
+    attackers = [asyncio.create_task(hostile_client(base_url, bodies, stop, statuses)) for _ in range(hostile)]
+    try:
+        outcomes = await load(base_url, requests, clients, deadline)
+    finally:
+        stop.set()
+        failed = [r for r in await asyncio.gather(*attackers, return_exceptions=True) if isinstance(r, Exception)]
+    if failed:
+        raise RuntimeError(f"a hostile client failed: {failed[0]!r}") from failed[0]
+    return outcomes, {kind: dict(counts) for kind, counts in sorted(statuses.items())}
+
+
+def under_attack(base_url: str, requests: Sequence[LoadRequest], references: dict[int, str],
+                 args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    """The load again with `args.hostile_clients` hostile clients beside it, then once more clean (the
+    clean pass before it and this one bracket it): both summaries and the hostile kinds' statuses."""
+    started = time.perf_counter()
+    remote, statuses = asyncio.run(load_under_attack(base_url, requests, args.clients, args.hostile_clients, deadline))
+    ended = max((o.finished_at for o in remote if o.finished_at), default=started)
+    attacked = summarise(remote, requests, references, ended - started)
+    started = time.perf_counter()
+    after = asyncio.run(load(base_url, requests, args.clients, deadline))
+    ended = max((o.finished_at for o in after if o.finished_at), default=started)
+    return {"server": attacked, "server_after": summarise(after, requests, references, ended - started),
+            "statuses": statuses, "sent": sum(sum(c.values()) for c in statuses.values())}
+
+
+def p95_ratio(attacked: dict[str, Any], clean: Sequence[dict[str, Any]]) -> float | None:
+    """Ordinary requests' TTFT p95 under attack over the clean passes' mean p95 (None if one is missing)."""
+    clean_p95 = [r["ttft_s"]["p95"] for r in clean]
+    if attacked["ttft_s"]["p95"] is None or None in clean_p95:
+        return None
+    return round(attacked["ttft_s"]["p95"] / (sum(clean_p95) / len(clean_p95)), 3)
+
+
 def scrape_metrics(base_url: str) -> dict[str, float]:
     """The server's /metrics counters (`*_total`, histograms' `*_count`), summed over their labels."""
     text = httpx.get(f"{base_url}/metrics").text
@@ -291,13 +417,23 @@ def table(doc: dict[str, Any]) -> str:
     rows = ["| run | TTFT p50 | TTFT p95 | engine TTFT p50 | latency p95 | requests/s | output tokens/s | cached "
             "| errors | same answer as in-process |",
             "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, r in ((f"in-process, serial ({local['ok']} requests)", local),
-                    (f"server, {s['clients']} streaming clients", doc["server"])):
+    runs = [(f"in-process, serial ({local['ok']} requests)", local),
+            (f"server, {s['clients']} streaming clients", doc["server"])]
+    if "hostile" in doc:
+        runs += [(f"server, with {s['hostile_clients']} hostile clients beside", doc["hostile"]["server"]),
+                 ("server, clean again", doc["hostile"]["server_after"])]
+    for name, r in runs:
         errors = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "0"
         rows.append(f"| {name} | {_s(r['ttft_s']['p50'])} | {_s(r['ttft_s']['p95'])} | "
                     f"{_s(r['engine_ttft_s']['p50'])} | {_s(r['latency_s']['p95'])} | {r['requests_per_s']} | "
                     f"{r['output_tokens_per_s']} | {_pct(r['cached_share'])} | {errors} | "
                     f"{r['answers_equal']} of {r['ok']} |")
+    if "hostile" in doc:
+        h = doc["hostile"]
+        rows += ["", f"Hostile requests sent: {h['sent']}; ordinary TTFT p95 under attack / clean: "
+                     f"{h['ttft_p95_ratio']}", "", "| hostile kind | statuses |", "|---|---|"]
+        rows += [f"| {kind} | {', '.join(f'{k}: {v}' for k, v in counts.items())} |"
+                 for kind, counts in h["statuses"].items()]
     return "\n".join([head, "", *rows])
 
 
@@ -322,6 +458,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help=f"the engine scheduler's --max-running (default: {defaults.max_running})")
     parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
                         help=f"the engine scheduler's --max-waiting (default: {defaults.max_waiting})")
+    parser.add_argument("--hostile-clients", type=int, default=0,
+                        help="clients sending hostile requests during a second load pass (default: 0, none)")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds the run may take once the model has loaded (default: 1800)")
     parser.add_argument("--model", default=None, help="model (default: the packaged SmolLM2-135M)")
@@ -334,6 +472,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if value is not None and value < 1:
             name = "-k" if flag == "k" else f"--{flag.replace('_', '-')}"
             parser.error(f"{name} must be at least 1, got {value}")
+    if args.hostile_clients < 0:
+        parser.error(f"--hostile-clients must be at least 0, got {args.hostile_clients}")
     if args.timeout < 0:
         parser.error(f"--timeout must be at least 0 seconds, got {args.timeout}")
     return args
@@ -358,16 +498,24 @@ def run(engine: FusionEngine, args: argparse.Namespace) -> int:
                 started = time.perf_counter()
                 remote = asyncio.run(load(base_url, requests, args.clients, deadline))
                 ended = max((o.finished_at for o in remote if o.finished_at), default=started)
+                attacked = (under_attack(base_url, requests, references, args, deadline)
+                            if args.hostile_clients else None)
                 metrics = scrape_metrics(base_url)
         finally:
             index.close()
     doc: dict[str, Any] = {"settings": settings, "reference_answers": [references[q] for q in sorted(references)],
            "in_process": summarise(local, requests, references, local_wall),
            "server": summarise(remote, requests, references, ended - started), "metrics": metrics}
+    if attacked is not None:
+        doc["hostile"] = attacked
+        doc["hostile"]["ttft_p95_ratio"] = p95_ratio(attacked["server"], [doc["server"], attacked["server_after"]])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     print(table(doc))
-    failed = [r for r in (doc["in_process"], doc["server"]) if r["errors"] or r["not_run"] or r["mismatches"]]
+    passes = [doc["in_process"], doc["server"]]
+    if attacked is not None:
+        passes += [attacked["server"], attacked["server_after"]]
+    failed = [r for r in passes if r["errors"] or r["not_run"] or r["mismatches"]]
     return 1 if failed else 0
 
 
