@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.errors import ContextLengthError, InvalidRequestError
 from fusionrag_core.query.tools import ChatTools, ToolRequest
+from fusionrag_core.query.unicode import require_unicode
 from fusionrag_core.recognise.content_index import ANCHOR_CHARS, Match
 from fusionrag_core.recognise.marks import MarkedChunk, mark_chunk, split_marks
 from fusionrag_core.runtime.compat import tokenize_plain, tokenize_template
@@ -279,6 +280,7 @@ class PromptLayout:
         nothing found stays a chunk under its own id (a reported miss). Without `has_cache`
         every mark is taken at its id. `tools`, when given, are rendered with the messages (`render`).
         """
+        require_unicode(list(messages), "messages")
         rendered = self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         return self.from_rendered(rendered, find=find, documents=documents, has_cache=has_cache, spans=spans)
 
@@ -295,6 +297,7 @@ class PromptLayout:
         `from_messages` does. Special-token strings in `text` stay text."""
         if not text.strip():
             raise InvalidRequestError("the prompt is empty: pass a non-empty prompt")
+        require_unicode(text, "prompt")
         return self.from_rendered(self.escape(text), find=find, documents=documents, has_cache=has_cache, spans=spans)
 
     def from_rendered(

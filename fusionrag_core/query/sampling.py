@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,8 @@ class SamplingConfig:
     grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
+        _check_finite(self)
+        _check_seed(self.seed)
         if self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -84,6 +87,26 @@ class SamplingConfig:
         if self.min_p is not None:
             processors.append(MinPLogitsWarper(self.min_p))
         return processors
+
+
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""The seeds torch's generator takes (`manual_seed`: a signed or an unsigned 64-bit integer; a
+negative seed is its unsigned twin). OpenAI's `seed` is a signed 64-bit integer: inside it."""
+
+
+def _check_finite(config: SamplingConfig) -> None:
+    """Refuse an infinite or NaN knob: NaN passes every range check below (each comparison is
+    False), and an infinite temperature samples noise."""
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        value = getattr(config, name)
+        if value is not None and not math.isfinite(value):
+            raise InvalidRequestError(f"{name} must be a finite number, got {value}")
+
+
+def _check_seed(seed: int | None) -> None:
+    low, high = SEED_RANGE
+    if seed is not None and not low <= seed <= high:
+        raise InvalidRequestError(f"seed must be an integer from {low} to {high} (a 64-bit seed), got {seed}")
 
 
 class Sampler:

@@ -23,6 +23,7 @@ from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import CacheMismatchError, CacheNotFoundError, InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.tools import ToolRequest
+from fusionrag_core.query.unicode import require_unicode
 from fusionrag_core.recognise.content_index import ContentIndex, Match
 from fusionrag_core.reuse.learned import LearnedCaches, content_id
 from fusionrag_core.reuse.spans import PARAGRAPH_BREAK, conversation_spans
@@ -83,12 +84,14 @@ class ReuseSources(KVStore):
         (`spans.conversation_spans`). A mark whose id has no cache here is found by its text (see
         `PromptLayout.from_messages`). `tools` are rendered with the messages (the tool list is
         template text: never cut into spans)."""
+        require_unicode(list(messages), "messages")  # NOTE: before the spans are hashed, not only at the layout
         docs, cut = self._learnable(engine, [str(m.get("content") or "") for m in messages], documents)
         return engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_cache,
                                            spans=cut, tools=tools)
 
     def prompt_from_text(self, engine: FusionEngine, text: str, documents: Sequence[str] = ()) -> FusionPrompt:
         """A raw text prompt (a completion) as a FusionPrompt, chunks found and learned as in `prompt`."""
+        require_unicode(text, "prompt")
         docs, cut = self._learnable(engine, [text], documents)
         return engine.prompt_from_text(text, find=self.find, documents=docs, has_cache=self.has_cache, spans=cut)
 

@@ -23,22 +23,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+import math
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from fusionrag_core.engine import Generation
 from fusionrag_core.errors import ContextLengthError, InvalidRequestError, OverloadedError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.tools import InvalidToolCall, ToolCall, asplit_calls
+from fusionrag_core.query.unicode import not_unicode_at
 from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_integrations.fields import bound_tools
 from fusionrag_integrations.openai_server.config import ServerConfig
@@ -70,20 +75,26 @@ class HTTPError(HTTPException):
     """
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
         super().__init__(status, message, headers or {})
         self.status, self.message, self.kind, self.code, self.headers = status, message, kind, code, headers or {}
+        self.param = param
 
 
 def create_app(session: ReuseSession, config: ServerConfig | None = None) -> FastAPI:
     """A FastAPI app serving `session`'s model under the OpenAI API (see the module docstring)."""
     config = config or ServerConfig()
     server = _Server(session, config)
-    app = FastAPI(title="FusionRAG", summary="OpenAI-compatible server with FusionRAG KV-cache reuse")
+    # NOTE: FastAPI's own documentation routes would be open to all; `_add_docs` serves them behind the key
+    app = FastAPI(title="FusionRAG", summary="OpenAI-compatible server with FusionRAG KV-cache reuse",
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.route_class = _JSONRoute
     app.add_middleware(_BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(_BodyDeadline, timeout_s=config.body_read_timeout_s)
     app.state.server = server
     _add_error_handlers(app, server)
     auth = [Depends(server.authorize)]
+    _add_docs(app, auth)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
     app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
@@ -373,14 +384,159 @@ class _BodyLimit:
         return f"the request body is larger than this server's limit of {self.max_bytes} bytes (max_body_bytes)"
 
 
+class _BodyDeadline:
+    """Answers 408 (naming the limit) when a client has not sent its whole body `timeout_s` after
+    its headers, and closes the connection of every response sent before the body was read whole.
+
+    NOTE: uvicorn has no timer of its own while a body is read, and its keep-alive timer stops at a
+    client's next byte: a connection left mid-body would stay open for as long as its client likes.
+    The deadline is the whole body's, so a byte now and then does not keep one open either.
+    """
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], timeout_s: float) -> None:
+        self.app, self.timeout_s = app, timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = anyio.current_time() + self.timeout_s
+        read = not _has_body(scope)
+
+        async def bounded() -> Message:
+            nonlocal read
+            if read:
+                return await receive()  # NOTE: after the body, the wait for a disconnect: unbounded
+            with anyio.move_on_after(deadline - anyio.current_time()) as waited:
+                message = await receive()
+            if waited.cancelled_caught:
+                raise HTTPError(408, f"the request body did not arrive within this server's limit of "
+                                     f"{self.timeout_s:g} s (body_read_timeout_s)", code="body_read_timeout",
+                                headers={"Connection": "close"})
+            read = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def closing(message: Message) -> None:
+            if message["type"] == "http.response.start" and not read:
+                # NOTE: what the client still sends would be read for no one
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+        await self.app(scope, bounded, closing)
+
+
+def _has_body(scope: Scope) -> bool:
+    headers = dict(scope.get("headers") or [])
+    return b"transfer-encoding" in headers or headers.get(b"content-length", b"0").strip() not in (b"0", b"")
+
+
+class _JSONRequest(Request):
+    """A request whose body is read as JSON is defined (RFC 8259: no NaN or Infinity, no number
+    beyond a float), nested at most `MAX_JSON_DEPTH` deep, and holding only Unicode text."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = _parse_json(await self.body())
+        return self._json
+
+
+class _JSONRoute(APIRoute):
+    """A route that reads its body as `_JSONRequest` does."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(_JSONRequest(request.scope, request.receive, request._send))
+        return strict
+
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of a request body (OpenAI's bodies nest a few levels; a JSON schema a few more)."""
+
+
+def _parse_json(body: bytes) -> Any:
+    """`body` as JSON (RFC 8259), or an HTTPError (400) that says what is wrong where.
+
+    Raises:
+        json.JSONDecodeError: malformed JSON (FastAPI answers it as such).
+        HTTPError: nesting deeper than `MAX_JSON_DEPTH`, a number that is not finite (Python's
+            parser takes NaN, Infinity and 1e999), a string holding a lone surrogate.
+    """
+    too_deep = HTTPError(400, f"the body is nested too deeply: this server takes at most {MAX_JSON_DEPTH} levels of "
+                              "arrays and objects", code="body_too_deep")
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        raise too_deep from None
+    except ValueError as exc:
+        if isinstance(exc, json.JSONDecodeError):
+            raise
+        raise HTTPError(400, f"the body is not valid JSON: {exc}") from None  # NOTE: e.g. an int of 5,000 digits
+    deepest, where = _walk_numbers(value)
+    if deepest > MAX_JSON_DEPTH:
+        raise too_deep
+    if where is not None:
+        raise HTTPError(400, f"{where.path or 'the body'} is {json.dumps(where.value)} (as written, or a number beyond "
+                             "a float's range), which is no JSON number (RFC 8259): send a finite number",
+                        param=where.path or None)
+    text = not_unicode_at(value, "")
+    if text is not None:
+        raise HTTPError(400, f"{text or 'the body'} is not valid Unicode: it holds a lone surrogate (half of a "
+                             "UTF-16 pair, e.g. \\ud800 without its partner); send whole characters",
+                        param=text or None)
+    return value
+
+
+class _Number(NamedTuple):
+    path: str
+    value: float
+
+
+def _walk_numbers(value: Any) -> tuple[int, _Number | None]:
+    """How deeply `value` nests arrays and objects, and its first number that is not finite (with
+    its path, e.g. `temperature`). Iterative: the depth itself is what is checked."""
+    deepest, found = 0, None
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item) and found is None:
+            found = _Number(path, item)
+        elif isinstance(item, dict):
+            deepest = max(deepest, depth + 1)
+            stack += [(v, f"{path}.{k}" if path else str(k), depth + 1) for k, v in reversed(item.items())]
+        elif isinstance(item, list):
+            deepest = max(deepest, depth + 1)
+            stack += [(v, f"{path}[{i}]", depth + 1) for i, v in reversed(list(enumerate(item)))]
+    return deepest, found
+
+
+def _add_docs(app: FastAPI, auth: list[Any]) -> None:
+    """FastAPI's OpenAPI schema and its two viewers, behind the key like every route but /health and
+    /metrics (they describe which fields this server takes; a key-holder fetches the schema with its
+    key, a browser without one can open the viewers only where no key is set)."""
+    async def schema() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    async def swagger() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - API")
+
+    async def redoc() -> Response:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - API")
+    for path, route in (("/openapi.json", schema), ("/docs", swagger), ("/redoc", redoc)):
+        app.add_api_route(path, route, methods=["GET"], dependencies=auth, include_in_schema=False)
+
+
 def _error(error: HTTPError) -> JSONResponse:
-    body = {"error": {"message": error.message, "type": error.kind, "param": None, "code": error.code}}
+    body = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
 def _add_error_handlers(app: FastAPI, server: _Server) -> None:
     def endpoint(request: Request) -> str:
-        return _ENDPOINTS.get(request.url.path, request.url.path)
+        # NOTE: a path no route serves is labelled "other": a client's made-up paths are no new series
+        routes = {getattr(route, "path", None) for route in app.routes}
+        path = request.url.path
+        return _ENDPOINTS.get(path, path if path in routes else "other")
 
     def answer(request: Request, error: HTTPError) -> JSONResponse:
         server.metrics_.requests.labels(endpoint(request), str(error.status)).inc()
@@ -416,12 +572,32 @@ def _add_error_handlers(app: FastAPI, server: _Server) -> None:
         return answer(request, HTTPError(500, f"internal error ({type(exc).__name__}); see the server log",
                                          "server_error"))
 
+    async def on_starlette(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        return answer(request, _from_starlette(request, exc, app))
+
     app.add_exception_handler(HTTPError, on_http)
+    app.add_exception_handler(HTTPException, on_starlette)  # NOTE: HTTPError, a subclass, keeps its own
     app.add_exception_handler(InvalidRequestError, on_invalid)
     app.add_exception_handler(ContextLengthError, on_too_long)
     app.add_exception_handler(OverloadedError, on_overloaded)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(Exception, on_unexpected)
+
+
+def _from_starlette(request: Request, exc: HTTPException, app: FastAPI) -> HTTPError:
+    """A Starlette or FastAPI HTTPException (no route, wrong method, a body it could not read) as an
+    HTTPError, worded as OpenAI words its own."""
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        served = sorted(r.path for r in app.routes if isinstance(r, APIRoute) and r.include_in_schema)
+        return HTTPError(404, f"Invalid URL ({where}): this server serves {', '.join(served)}", code="not_found")
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        return HTTPError(405, f"Invalid method for URL ({where}): use {allowed}", code="method_not_allowed",
+                         headers=dict(exc.headers or {}))
+    kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    return HTTPError(exc.status_code, str(exc.detail), kind, headers=dict(exc.headers or {}))
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -433,6 +609,8 @@ def _validation_message(exc: RequestValidationError) -> str:
             parts.append(f"the body is not valid JSON ({error.get('msg')})")
         elif error.get("type") == "extra_forbidden":
             parts.append(f"unsupported field {where!r}: this server does not do it; remove it")
+        elif error.get("type") == "value_error":
+            parts.append(f"{where or 'body'}: {error.get('ctx', {}).get('error', error.get('msg'))}")
         else:
             parts.append(f"{where or 'body'}: {error.get('msg')}")
     return "; ".join(parts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fusionrag_core.errors import InvalidRequestError
@@ -24,6 +25,8 @@ class ServerConfig:
         port: TCP port.
         api_key: None: no authentication; else every /v1 request needs `Authorization: Bearer <key>`.
         max_body_bytes: largest request body; larger ones are answered 413.
+        body_read_timeout_s: seconds a client has, once its headers are in, to send its whole
+            request body; a slower one is answered 408 and its connection closed.
         max_prompt_tokens: longest prompt; None: the model's context window (less the answer's budget).
         default_max_tokens: answer budget when a request sets none.
         selector: which chunk tokens every request recomputes (`query.select.SELECTORS`); None:
@@ -31,13 +34,14 @@ class ServerConfig:
         ratio: fraction of reused chunk tokens every request recomputes; None: the engine's default.
 
     Raises:
-        InvalidRequestError: a limit below 1.
+        InvalidRequestError: a limit below 1, or a timeout that is not a positive number.
     """
 
     host: str = LOOPBACK
     port: int = 8000
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
+    body_read_timeout_s: float = 30.0
     max_prompt_tokens: int | None = None
     default_max_tokens: int = 256
     selector: str | None = None
@@ -49,6 +53,9 @@ class ServerConfig:
                 raise InvalidRequestError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise InvalidRequestError(f"max_prompt_tokens must be at least 1, got {self.max_prompt_tokens}")
+        if not 0 < self.body_read_timeout_s < math.inf:
+            raise InvalidRequestError(f"body_read_timeout_s must be a positive number of seconds, got "
+                                      f"{self.body_read_timeout_s}")
         RequestOptions(selector=self.selector, ratio=self.ratio)  # NOTE: the core's checks, at construction
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"port must be in 0..65535, got {self.port}")

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from fusionrag_core.engine import Generation
 from fusionrag_core.errors import InvalidRequestError
@@ -27,6 +27,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+_RANGES = {"temperature": (0.0, 2.0, "[]"), "top_p": (0.0, 1.0, "(]"), "frequency_penalty": (-2.0, 2.0, "[]"),
+           "presence_penalty": (-2.0, 2.0, "[]")}
+"""OpenAI's range of each sampling number: low, high, and whether each end is in it ("[" in, "(" out).
+NOTE: top_p 0 would be greedy; here it is refused (the core's `SamplingConfig` takes (0, 1])."""
+
+
 class _Request(BaseModel):
     """Fields both endpoints share."""
 
@@ -34,8 +40,8 @@ class _Request(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: float | None = None
+    top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -46,6 +52,18 @@ class _Request(BaseModel):
     logprobs: bool | int | None = None
     user: str | None = None
     """Accepted as OpenAI does: an end-user id for the caller's own records; it changes no answer."""
+
+    @field_validator(*_RANGES)
+    @classmethod
+    def _in_range(cls, value: float | None, info: ValidationInfo) -> float | None:
+        """Each sampling number in OpenAI's range (NaN fails every comparison, so it is refused too)."""
+        if value is None:
+            return None
+        low, high, bounds = _RANGES[info.field_name or ""]
+        above_low = low < value if bounds[0] == "(" else low <= value
+        if not (above_low and value <= high):
+            raise ValueError(f"must be a number in {bounds[0]}{low:g}, {high:g}{bounds[1]}, got {value}")
+        return value
 
     def check_supported(self) -> None:
         """Refuse what is set but not done here.
