@@ -47,6 +47,7 @@ def running_app(
     startup_timeout_s: float = 60.0,
     shutdown_timeout_s: float = 30.0,
     log_level: str = "warning",
+    http: Any = "auto",
 ) -> Iterator[str]:
     """Serve `app` on 127.0.0.1 in a daemon thread; yield its base URL; stop it on exit.
 
@@ -56,6 +57,8 @@ def running_app(
         startup_timeout_s: how long to wait for uvicorn to accept connections.
         shutdown_timeout_s: how long a graceful stop may take before it is forced.
         log_level: uvicorn's log level ("warning" keeps the test output quiet).
+        http: uvicorn's HTTP protocol (its name, or a protocol factory such as
+            `openai_server.connections.http_protocol(...)`).
 
     Yields:
         The base URL, "http://127.0.0.1:<port>" (no trailing slash, no "/v1").
@@ -63,7 +66,7 @@ def running_app(
     Raises:
         RuntimeError: uvicorn failed or did not start in time (its exception is chained).
     """
-    config = uvicorn.Config(app, host=LOOPBACK, port=0, log_level=log_level, lifespan="auto")
+    config = uvicorn.Config(app, host=LOOPBACK, port=0, log_level=log_level, lifespan="auto", http=http)
     server = uvicorn.Server(config)
     failure: list[BaseException] = []
 
