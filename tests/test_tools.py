@@ -223,3 +223,24 @@ def test_a_template_that_renders_tools_is_used_and_its_call_syntax_read(tokenize
     text = layout.render([{"role": "user", "content": "Weather?"}], tools=tool_request([WEATHER]))
     assert text.startswith("<|im_start|>system\n# Tools\n<tools>\n") and "You may call functions" not in text
     assert json.loads(text.split("<tools>\n")[1].split("\n")[0]) == WEATHER
+
+
+@pytest.mark.parametrize(("calls", "message"), [
+    ("notalist", r"messages\[1\]\.tool_calls must be a list"),
+    ([{"foo": 1}], r"messages\[1\]\.tool_calls\[0\] has unsupported field\(s\) \['foo'\]"),
+    ([{"function": {"name": "get_weather", "arguments": "[]"}}], r"\[0\]\.function\.arguments must be"),
+])
+def test_malformed_assistant_tool_calls_are_refused_naming_the_message(tokenizer: PreTrainedTokenizerBase,
+                                                                       calls: Any, message: str) -> None:
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    for layout in (PromptLayout(tokenizer), _native_layout(tokenizer)):
+        with pytest.raises(InvalidRequestError, match=message):
+            layout.render(messages, tools=tool_request([WEATHER]))
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.tool_calls: only assistant"):
+        PromptLayout(tokenizer).render([{"role": "user", "content": "x", "tool_calls": [CALL]}])
+
+
+def _native_layout(tokenizer: PreTrainedTokenizerBase) -> PromptLayout:
+    native = copy.copy(tokenizer)
+    native.chat_template = NATIVE_TEMPLATE
+    return PromptLayout(native)

@@ -393,7 +393,12 @@ class ChatTools:
     def adapt(self, messages: Sequence[Mapping[str, Any]],
               tools: ToolRequest | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """`(messages, tools)` for `apply_chat_template`: OpenAI-shaped messages (assistant
-        `tool_calls`, `tool` results) in the shape this template reads."""
+        `tool_calls`, `tool` results) in the shape this template reads.
+
+        Raises:
+            InvalidRequestError: a malformed `tool_calls` (`check_tool_calls`).
+        """
+        check_tool_calls(messages)
         if self.native:
             return [_hf_message(m) for m in messages], tools.openai() if tools is not None else None
         if tools is not None and not self._warned:
@@ -402,6 +407,70 @@ class ChatTools:
                            "fallback format (<tools> in the system message, <tool_call> JSON blocks; see "
                            "docs/integrations.md)")
         return _fallback_messages(messages, tools, self.format), None
+
+
+_CALL_SHAPE = "{'id': <string>, 'type': 'function', 'function': {'name': <string>, 'arguments': <JSON string>}}"
+
+
+def check_tool_calls(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse a message's `tool_calls` unless it is OpenAI's list of function calls on an assistant message.
+
+    Each call is `{"id", "type": "function", "function": {"name", "arguments"}}`; `id` and `type`
+    may be left out (in-process callers often do), `arguments` is the JSON text of an object (in
+    process, the object itself), and no other field is taken.
+
+    Raises:
+        InvalidRequestError: the first malformed call, named by message index and field
+            (`messages[1].tool_calls[0].function.name ...`).
+    """
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls")
+        if calls is None or (isinstance(calls, list) and not calls):
+            continue
+        where = f"messages[{i}].tool_calls"
+        if message.get("role") != "assistant":
+            raise InvalidRequestError(f"{where}: only assistant messages carry tool_calls")
+        if not isinstance(calls, list):
+            raise InvalidRequestError(f"{where} must be a list of calls {_CALL_SHAPE}, got {type(calls).__name__}")
+        for j, call in enumerate(calls):
+            _check_call(f"{where}[{j}]", call)
+
+
+def _check_call(where: str, call: Any) -> None:
+    if not isinstance(call, Mapping):
+        raise InvalidRequestError(f"{where} must be an object {_CALL_SHAPE}, got {type(call).__name__}")
+    unknown = sorted(set(call) - {"id", "type", "function"})
+    if unknown:
+        raise InvalidRequestError(f"{where} has unsupported field(s) {unknown}: a call is {_CALL_SHAPE}")
+    if call.get("type", "function") != "function":
+        raise InvalidRequestError(f"{where}.type must be 'function', got {call.get('type')!r}")
+    if not isinstance(call.get("id"), str | None):
+        raise InvalidRequestError(f"{where}.id must be a string, got {type(call.get('id')).__name__}")
+    function = call.get("function")
+    if not isinstance(function, Mapping):
+        raise InvalidRequestError(f"{where}.function must be an object {{'name': <string>, 'arguments': "
+                                  f"<JSON string>}}, got {type(function).__name__}")
+    unknown = sorted(set(function) - {"name", "arguments"})
+    if unknown:
+        raise InvalidRequestError(f"{where}.function has unsupported field(s) {unknown}: it holds 'name' and "
+                                  "'arguments'")
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        raise InvalidRequestError(f"{where}.function.name must be the called tool's name (a non-empty string)")
+    _arguments_of(function.get("arguments"), f"{where}.function.arguments")
+
+
+def _arguments_of(arguments: Any, where: str) -> dict[str, Any]:
+    """A call's arguments as a dict: JSON text of an object (empty: no arguments), or the object."""
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"{where} is not JSON ({exc}): pass the JSON text of an object") from exc
+    if not isinstance(arguments, Mapping):
+        raise InvalidRequestError(f"{where} must be the JSON text of an object, got {type(arguments).__name__}")
+    return dict(arguments)
 
 
 def template_renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -464,17 +533,9 @@ def _hf_message(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _call_parts(call: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(name, arguments dict) of an OpenAI-shaped call (`{"function": {"name", "arguments"}}`)."""
-    function = call.get("function", call)
-    arguments = function.get("arguments") or {}
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"the arguments of call {function.get('name')!r} are not JSON: {exc}") from exc
-    if not isinstance(arguments, dict):
-        raise InvalidRequestError(f"the arguments of call {function.get('name')!r} must be a JSON object")
-    return str(function.get("name")), arguments
+    """(name, arguments dict) of an OpenAI-shaped call `check_tool_calls` let through."""
+    function = call["function"]
+    return str(function["name"]), _arguments_of(function.get("arguments"), "arguments")
 
 
 _SENTINEL_NAME, _SENTINEL_KEY, _SENTINEL_VALUE, _SENTINEL_TEXT = "\ue020", "\ue021", "\ue022", "\ue023"
@@ -626,6 +687,7 @@ __all__ = [
     "ToolCallSplitter",
     "ToolRequest",
     "ToolSpec",
+    "check_tool_calls",
     "fallback_system_text",
     "split_calls",
     "template_renders_tools",
