@@ -71,3 +71,24 @@ def test_a_well_formed_tool_round_trip_is_answered(client: httpx.Client) -> None
     messages = [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
                 {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]
     assert client.post(CHAT, json={"messages": messages, "max_tokens": 2}).status_code == 200
+
+
+# ---- schemas no finite value satisfies ------------------------------------------------------------------
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#"},
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+])
+def test_a_response_format_no_finite_value_satisfies_is_a_400(client: httpx.Client, schema: Any) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "loop", "schema": schema}}
+    response = client.post(CHAT, json={"messages": [USER], "max_tokens": 8, "response_format": response_format})
+    assert response.status_code == 400, response.text
+    assert "no finite JSON value" in error_of(response)["message"]
+
+
+def test_a_tool_whose_parameters_recurse_without_end_is_a_400(client: httpx.Client) -> None:
+    parameters = {"type": "object", "properties": {"sub": {"$ref": "#"}}, "required": ["sub"]}
+    tool = {"type": "function", "function": {"name": "nest", "parameters": parameters}}
+    response = client.post(CHAT, json={"messages": [USER], "max_tokens": 8, "tools": [tool]})
+    assert response.status_code == 400, response.text
+    assert re.search(r"tool 'nest'.*no finite JSON value", error_of(response)["message"])
