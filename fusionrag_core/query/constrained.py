@@ -240,7 +240,8 @@ class _EndGraph:
 
     def _type_node(self, sub: Mapping[str, Any], kind: Any) -> int:
         if kind == "object":
-            properties = sub.get("properties") if isinstance(sub.get("properties"), Mapping) else {}
+            given = sub.get("properties")
+            properties: Mapping[str, Any] = given if isinstance(given, Mapping) else {}
             extra = sub.get("additionalProperties", True)
             return self._new(False, [self._node_of(properties.get(p, extra)) for p in _list(sub.get("required"))])
         if kind == "array":
