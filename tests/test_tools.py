@@ -244,3 +244,18 @@ def _native_layout(tokenizer: PreTrainedTokenizerBase) -> PromptLayout:
     native = copy.copy(tokenizer)
     native.chat_template = NATIVE_TEMPLATE
     return PromptLayout(native)
+
+
+def test_tool_parameters_with_defs_and_refs_are_enforced(ll_tokenizer: Any, tokenizer: PreTrainedTokenizerBase
+                                                         ) -> None:
+    """A nested Pydantic model's schema keeps its parts under `$defs` (OpenAI's pydantic_function_tool
+    sends it so): its `$ref`s point into the arguments schema, wherever the call grammar embeds it."""
+    place = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    trip = _tool("plan_trip", {"to": {"$ref": "#/$defs/Place"}, "stops": {"type": "array", "items": {"$ref": "#"}}},
+                 ["to"])
+    trip["function"]["parameters"]["$defs"] = {"Place": place}
+    arguments = {"to": {"city": "Oslo"}, "stops": [{"to": {"city": "Ry"}}]}
+    call = FALLBACK_FORMAT.render("plan_trip", arguments)
+    for request in (tool_request([trip], "required"), tool_request([WEATHER, trip], "required")):
+        assert _accepts(ll_tokenizer, tokenizer, request, call)
+        assert not _accepts(ll_tokenizer, tokenizer, request, call.replace('"city": "Oslo"', '"town": "Oslo"'))

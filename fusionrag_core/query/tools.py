@@ -219,12 +219,16 @@ class ToolCallFormat:
         return Grammar.lark("\n".join(lines) + "\n", f"an answer or calls of {names}")
 
     def _call_schema(self, tools: Sequence[ToolSpec]) -> dict[str, Any]:
+        # NOTE: a tool's `$ref`s point into its own arguments schema (`#`, `#/$defs/...`): rebased to
+        # where that schema sits in the call's
+        at = f"properties/{_pointer_part(self.arguments_key)}"
+        bases = [f"#/{at}"] if len(tools) == 1 else [f"#/anyOf/{k}/{at}" for k in range(len(tools))]
         options = [{
             "type": "object",
-            "properties": {self.name_key: {"const": t.name}, self.arguments_key: _arguments_schema(t)},
+            "properties": {self.name_key: {"const": t.name}, self.arguments_key: _rebased(_arguments_schema(t), base)},
             "required": [self.name_key, self.arguments_key],
             "additionalProperties": False,
-        } for t in tools]
+        } for t, base in zip(tools, bases, strict=True)]
         schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
         # NOTE: fixed spacing, json.dumps's (what the fallback prompt shows and templates render):
         # free whitespace lets a small model wander into blank lines, and compact JSON is a spacing
@@ -580,6 +584,24 @@ def _arguments_schema(tool: ToolSpec) -> dict[str, Any]:
     schema.pop("title", None)
     schema.setdefault("type", "object")
     return schema
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with each local `$ref` (`#...`) moved under the JSON pointer `base` (`#/...`)."""
+    if isinstance(schema, list):
+        return [_rebased(s, base) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: _rebased(v, base) for k, v in schema.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
+    return out
+
+
+def _pointer_part(key: str) -> str:
+    """`key` as one segment of a JSON pointer."""
+    return key.replace("~", "~0").replace("/", "~1")
 
 
 def _check_schema(tool: ToolSpec) -> None:
