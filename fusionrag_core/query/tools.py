@@ -39,6 +39,10 @@ _Piece = TypeVar("_Piece")
 
 TOOL_CHOICES = ("auto", "required", "none")
 """Tool choices besides a tool's name: the model decides; it must call; it must not."""
+DEFAULT_STRING_CHARS = 300
+"""The longest string argument a call may hold where its tool's schema sets no `maxLength`
+(`EngineConfig.tool_string_chars`): a small model that repeats itself inside a free-text argument
+is made to close it there, and its call with it."""
 
 
 @dataclass(frozen=True)
@@ -191,8 +195,13 @@ class ToolCallFormat:
         return _format_from_template(tokenizer)
 
     # ---- decoding --------------------------------------------------------------------------------
-    def grammar(self, request: ToolRequest) -> Grammar:
+    def grammar(self, request: ToolRequest, max_string_chars: int = DEFAULT_STRING_CHARS) -> Grammar:
         """The llguidance grammar of an answer to `request` (see the module docstring).
+
+        Args:
+            request: the tools and the choice.
+            max_string_chars: the `maxLength` of every string a tool's schema types "string" and
+                leaves unbounded (raised to its `minLength` where that is more).
 
         Raises:
             InvalidRequestError: a tool's schema the grammar cannot express (named with the construct).
@@ -210,7 +219,7 @@ class ToolCallFormat:
             lines.append(f"start: TEXT | call{more}")
         else:
             lines.append(f"start: call{more}")
-        schema = self._call_schema(request.called()) if request.choice != "none" else None
+        schema = self._call_schema(request.called(), max_string_chars) if request.choice != "none" else None
         if schema is not None:
             lines += [f"call: {_literal(self.opener)} %json {json.dumps(schema)} {_literal(self.closer)}",
                       f"body: {_literal(rest)} %json {json.dumps(schema)} {_literal(self.closer)}"]
@@ -218,17 +227,19 @@ class ToolCallFormat:
         names = ", ".join(t.name for t in request.called()) or "no tool"
         return Grammar.lark("\n".join(lines) + "\n", f"an answer or calls of {names}")
 
-    def _call_schema(self, tools: Sequence[ToolSpec]) -> dict[str, Any]:
+    def _call_schema(self, tools: Sequence[ToolSpec], max_string_chars: int) -> dict[str, Any]:
         # NOTE: a tool's `$ref`s point into its own arguments schema (`#`, `#/$defs/...`): rebased to
         # where that schema sits in the call's
         at = f"properties/{_pointer_part(self.arguments_key)}"
         bases = [f"#/{at}"] if len(tools) == 1 else [f"#/anyOf/{k}/{at}" for k in range(len(tools))]
+        arguments = [_rebased(_bounded(_arguments_schema(t), max_string_chars), base) for t, base in zip(tools, bases,
+                                                                                                         strict=True)]
         options = [{
             "type": "object",
-            "properties": {self.name_key: {"const": t.name}, self.arguments_key: _rebased(_arguments_schema(t), base)},
+            "properties": {self.name_key: {"const": t.name}, self.arguments_key: args},
             "required": [self.name_key, self.arguments_key],
             "additionalProperties": False,
-        } for t, base in zip(tools, bases, strict=True)]
+        } for t, args in zip(tools, arguments, strict=True)]
         schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
         # NOTE: fixed spacing, json.dumps's (what the fallback prompt shows and templates render):
         # free whitespace lets a small model wander into blank lines, and compact JSON is a spacing
@@ -586,6 +597,21 @@ def _arguments_schema(tool: ToolSpec) -> dict[str, Any]:
     return schema
 
 
+def _bounded(schema: Any, max_chars: int) -> Any:
+    """`schema` with `maxLength` on every subschema typed "string" that has none (nor an enum or const)."""
+    if isinstance(schema, list):
+        return [_bounded(s, max_chars) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: _bounded(v, max_chars) for k, v in schema.items()}
+    types = out.get("type")
+    typed = types == "string" or (isinstance(types, list) and "string" in types)
+    if typed and not {"maxLength", "enum", "const"} & set(out):
+        least = out.get("minLength")
+        out["maxLength"] = max(max_chars, least if isinstance(least, int) else 0)
+    return out
+
+
 def _rebased(schema: Any, base: str) -> Any:
     """`schema` with each local `$ref` (`#...`) moved under the JSON pointer `base` (`#/...`)."""
     if isinstance(schema, list):
@@ -698,6 +724,7 @@ def _choice(choice: Any, tools: Sequence[ToolSpec]) -> str:
 
 
 __all__ = [
+    "DEFAULT_STRING_CHARS",
     "FALLBACK_FORMAT",
     "TOOL_CHOICES",
     "ChatTools",
