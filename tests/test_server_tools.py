@@ -9,12 +9,15 @@ engine: its answers are nonsense, yet grammar-shaped, which is all these tests n
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+from langchain_openai import ChatOpenAI
+from pydantic import SecretStr
 
 from fusionrag_core.engine import FusionEngine
 from fusionrag_integrations.openai_server import ServerConfig, create_app
@@ -92,3 +95,60 @@ def test_a_tool_whose_parameters_recurse_without_end_is_a_400(client: httpx.Clie
     response = client.post(CHAT, json={"messages": [USER], "max_tokens": 8, "tools": [tool]})
     assert response.status_code == 400, response.text
     assert re.search(r"tool 'nest'.*no finite JSON value", error_of(response)["message"])
+
+
+# ---- a call cut off by max_tokens --------------------------------------------------------------------------
+# NOTE: a string of at least 6,000 characters cannot close within 64 tokens (none is over 81
+# characters), and the call's opening text, name included, takes at most 56 (one character each):
+# every answer is a get_weather call cut off inside its argument.
+LONG_CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "minLength": 6000}}, "required": ["city"]}}}
+CUT = {"messages": [USER], "max_tokens": 64, "temperature": 0, "tools": [LONG_CITY],
+       "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+
+
+def assert_cut_call(call: dict[str, Any]) -> None:
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    arguments = call["function"]["arguments"]
+    assert arguments.startswith('{"city": "') and "<tool_call>" not in arguments, arguments
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(arguments)
+
+
+def test_a_call_cut_off_by_max_tokens_is_a_tool_call_with_finish_reason_length(client: httpx.Client) -> None:
+    response = client.post(CHAT, json=CUT)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "length"
+    assert not choice["message"]["content"]  # NOTE: no markup posing as the answer
+    (call,) = choice["message"]["tool_calls"]
+    assert_cut_call(call)
+    (invalid,) = body["fusionrag"]["invalid_tool_calls"]
+    assert "closing tag" in invalid["error"]
+
+
+def test_a_streamed_call_cut_off_by_max_tokens_is_a_tool_call_delta_then_length(client: httpx.Client) -> None:
+    with client.stream("POST", CHAT, json={**CUT, "stream": True}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert not "".join(d.get("content") or "" for d in deltas)
+    (calls,) = [d["tool_calls"] for d in deltas if d.get("tool_calls")]
+    (call,) = calls
+    assert call["index"] == 0
+    assert_cut_call(call)
+    assert [e["choices"][0]["finish_reason"] for e in events][-1] == "length"
+
+
+def test_chat_openai_reports_a_cut_off_call_as_invalid_not_as_its_answer(client: httpx.Client) -> None:
+    """What the issue saw: LangChain's ChatOpenAI took the markup for the answer, so an agent ended
+    with it. Now the call reaches it as a call whose arguments do not parse: `invalid_tool_calls`."""
+    chat = ChatOpenAI(base_url=f"{client.base_url}/v1", api_key=SecretStr("x"), model="tiny-llama", max_retries=0,
+                      temperature=0, max_completion_tokens=64)
+    message = chat.bind_tools([LONG_CITY], tool_choice="get_weather").invoke("Weather in Paris?")
+    assert message.content == "" and message.tool_calls == []
+    (invalid,) = message.invalid_tool_calls
+    assert invalid["name"] == "get_weather" and str(invalid["args"]).startswith('{"city": "')
+    assert message.response_metadata["finish_reason"] == "length"

@@ -111,6 +111,14 @@ class InvalidToolCall:
     error: str
     id: str
     name: str | None = None
+    arguments: str = ""
+    """The arguments as far as the model wrote them (JSON text, cut off where the call was)."""
+
+    def openai(self) -> dict[str, Any]:
+        """This call in OpenAI's shape, as OpenAI reports a call cut off by `max_tokens`: the name
+        ("" when it was cut before it) and the arguments as written (they do not parse)."""
+        function = {"name": self.name or "", "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
 
 
 @dataclass(frozen=True)
@@ -279,19 +287,22 @@ class ToolCallFormat:
             value = json.loads(body)
         except json.JSONDecodeError as exc:
             why = "the call ended before its closing tag (max_tokens?)" if not complete else f"not JSON: {exc}"
-            return InvalidToolCall(raw, why, call_id, _name_in(body, self.name_key))
+            return InvalidToolCall(raw, why, call_id, _name_in(body, self.name_key),
+                                   _arguments_in(body, self.arguments_key))
         if not isinstance(value, dict) or not isinstance(value.get(self.name_key), str):
             return InvalidToolCall(raw, f"a call is a JSON object with a string {self.name_key!r}", call_id)
         name, arguments = value[self.name_key], value.get(self.arguments_key, {})
+        written = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError as exc:
-                return InvalidToolCall(raw, f"arguments are not JSON: {exc}", call_id, name)
+                return InvalidToolCall(raw, f"arguments are not JSON: {exc}", call_id, name, written)
         if not isinstance(arguments, dict):
-            return InvalidToolCall(raw, f"{self.arguments_key!r} must be a JSON object", call_id, name)
+            return InvalidToolCall(raw, f"{self.arguments_key!r} must be a JSON object", call_id, name, written)
         if names and name not in names:
-            return InvalidToolCall(raw, f"no bound tool is named {name!r} (bound: {sorted(names)})", call_id, name)
+            return InvalidToolCall(raw, f"no bound tool is named {name!r} (bound: {sorted(names)})", call_id, name,
+                                   written)
         return ToolCall(name, arguments, call_id, raw)
 
 
@@ -659,6 +670,12 @@ def _partial_suffix(text: str, trigger: str) -> int:
 def _name_in(body: str, name_key: str) -> str | None:
     match = re.search(rf'"{re.escape(name_key)}"\s*:\s*"([^"]+)"', body)
     return match.group(1) if match else None
+
+
+def _arguments_in(body: str, arguments_key: str) -> str:
+    """What follows `"arguments": ` in a call's text that is not JSON (a cut-off call: all of it)."""
+    match = re.search(rf'"{re.escape(arguments_key)}"\s*:\s*', body)
+    return body[match.end():] if match else ""
 
 
 def tool_request(tools: Sequence[Mapping[str, Any] | ToolSpec], choice: Any = None,
