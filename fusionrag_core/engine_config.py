@@ -64,7 +64,7 @@ class EngineConfig:
             system, which makes each new buffer touch its pages afresh (slow on VMs whose host
             reclaims freed memory). 0: every buffer is allocated afresh. On GPUs torch's caching allocator does this.
         tool_string_chars: the longest string a tool call's argument may hold where the tool's
-            schema sets no `maxLength` (`fusionrag_core.query.tools.DEFAULT_STRING_CHARS`, 300): a
+            schema sets no `maxLength` (`fusionrag_core.query.tools.DEFAULT_STRING_CHARS`, 200): a
             small model that repeats itself inside a free-text argument is made to close it, and its
             call with it, instead of running to `max_tokens`. A schema's own `maxLength` wins.
     """

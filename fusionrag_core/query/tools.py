@@ -39,10 +39,11 @@ _Piece = TypeVar("_Piece")
 
 TOOL_CHOICES = ("auto", "required", "none")
 """Tool choices besides a tool's name: the model decides; it must call; it must not."""
-DEFAULT_STRING_CHARS = 300
+DEFAULT_STRING_CHARS = 200
 """The longest string argument a call may hold where its tool's schema sets no `maxLength`
 (`EngineConfig.tool_string_chars`): a small model that repeats itself inside a free-text argument
-is made to close it there, and its call with it."""
+is made to close it there, and its call with it. 200, so that a call of one such argument closes
+within 256 tokens even at one token per character (a repeated "_2023" is; 300 ran past 256)."""
 
 
 @dataclass(frozen=True)
