@@ -10,6 +10,7 @@ from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.prompt import DEFAULT_INSTRUCTION
 from fusionrag_core.query.select import SelectConfig
 from fusionrag_core.query.selectors import DEFAULT_SELECTOR
+from fusionrag_core.query.tools import DEFAULT_STRING_CHARS
 from fusionrag_core.runtime.kv import Variant
 from fusionrag_core.runtime.memory import DEFAULT_IDLE_BYTES
 
@@ -62,6 +63,10 @@ class EngineConfig:
             requests' buffers (`fusionrag_core.runtime.memory`) instead of being handed back to the
             system, which makes each new buffer touch its pages afresh (slow on VMs whose host
             reclaims freed memory). 0: every buffer is allocated afresh. On GPUs torch's caching allocator does this.
+        tool_string_chars: the longest string a tool call's argument may hold where the tool's
+            schema sets no `maxLength` (`fusionrag_core.query.tools.DEFAULT_STRING_CHARS`, 200): a
+            small model that repeats itself inside a free-text argument is made to close it, and its
+            call with it, instead of running to `max_tokens`. A schema's own `maxLength` wins.
     """
 
     selector: str = DEFAULT_SELECTOR
@@ -77,12 +82,15 @@ class EngineConfig:
     idle_kv_bytes: int = DEFAULT_IDLE_BYTES
     scheduler: SchedulerConfig | None = field(default_factory=SchedulerConfig)
     prefix_cache: PrefixCacheConfig | None = field(default_factory=PrefixCacheConfig)
+    tool_string_chars: int = DEFAULT_STRING_CHARS
 
     def __post_init__(self) -> None:
         if self.idle_kv_bytes < 0:
             raise InvalidRequestError(f"idle_kv_bytes must be >= 0, got {self.idle_kv_bytes}")
         if self.load_workers < 1:
             raise InvalidRequestError(f"load_workers must be >= 1, got {self.load_workers}")
+        if self.tool_string_chars < 1:
+            raise InvalidRequestError(f"tool_string_chars must be >= 1, got {self.tool_string_chars}")
         if not 0.0 <= self.audit_rate <= 1.0:
             raise InvalidRequestError(f"audit_rate must be in [0, 1], got {self.audit_rate}")
 

@@ -124,7 +124,8 @@ class RequestOptions:
     def _sampling(self, engine: FusionEngine) -> SamplingConfig:
         if self.tools is None:
             return self.sampling
-        return replace(self.sampling, grammar=engine.tool_format.grammar(self.tools))
+        grammar = engine.tool_format.grammar(self.tools, max_string_chars=engine.config.tool_string_chars)
+        return replace(self.sampling, grammar=grammar)
 
 
 SAMPLING_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(SamplingConfig) if f.name != "grammar")

@@ -68,3 +68,39 @@ def test_bad_schemas_and_missing_tokenizer_are_refused() -> None:
         Grammar.json_schema({"type": "object", "properties": {"x": {"type": "no-such-type"}}})
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         Sampler(SamplingConfig(grammar=Grammar.json_object()))
+
+
+NO_FINITE_VALUE = [
+    {"$ref": "#"},
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+    {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+    {"$defs": {"n": {"anyOf": [{"$ref": "#/$defs/m"}]}, "m": {"allOf": [{"$ref": "#/$defs/n"}]}}, "$ref": "#/$defs/n"},
+]
+FINITE_RECURSION = [
+    {"type": "object", "properties": {"next": {"$ref": "#"}}},  # NOTE: `next` may be left out
+    {"type": "array", "items": {"$ref": "#"}},  # NOTE: [] ends it
+    {"$defs": {"tree": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/tree"}}},
+                        "required": ["kids"]}}, "$ref": "#/$defs/tree"},
+    {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}]},
+]
+
+
+@pytest.mark.parametrize("schema", NO_FINITE_VALUE)
+def test_a_schema_no_finite_value_satisfies_is_refused_naming_the_recursion(schema: dict[str, object]) -> None:
+    with pytest.raises(InvalidRequestError, match=r"no finite JSON value.*\$ref '#"):
+        Grammar.json_schema(schema)
+
+
+@pytest.mark.parametrize("schema", FINITE_RECURSION)
+def test_a_recursive_schema_with_a_way_out_compiles(schema: dict[str, object]) -> None:
+    Grammar.json_schema(schema)
+
+
+def test_a_grammar_that_allows_nothing_fails_the_request_instead_of_ending_it_empty(engine: FusionEngine) -> None:
+    """The matcher of an empty language leaves only EOS unmasked, in its error state: that must be
+    the request's error, never an empty answer that "stopped" as if it were complete."""
+    empty = Grammar("{\"grammars\": [{\"json_schema\": {\"$ref\": \"#\"}}]}", "an empty language")
+    with pytest.raises(InvalidRequestError, match="an empty language"):
+        engine.generate(engine.prompt("Reply.", chunks=CHUNKS), sampling=SamplingConfig(max_new_tokens=4,
+                                                                                         grammar=empty))

@@ -22,6 +22,7 @@ from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.prompt import PromptLayout
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.query.tools import (
+    DEFAULT_STRING_CHARS,
     FALLBACK_FORMAT,
     ChatTools,
     InvalidToolCall,
@@ -65,9 +66,10 @@ def ll_tokenizer(tokenizer: PreTrainedTokenizerBase) -> Any:
     return llguidance.hf.from_tokenizer(tokenizer, eos_token=[tokenizer.eos_token_id])
 
 
-def _accepts(ll_tokenizer: Any, tokenizer: PreTrainedTokenizerBase, request: ToolRequest, text: str) -> bool:
+def _accepts(ll_tokenizer: Any, tokenizer: PreTrainedTokenizerBase, request: ToolRequest, text: str,
+             **bounds: int) -> bool:
     """Whether the grammar of `request` lets the model write `text` and stop there."""
-    matcher = llguidance.LLMatcher(ll_tokenizer, FALLBACK_FORMAT.grammar(request).source, log_level=0)
+    matcher = llguidance.LLMatcher(ll_tokenizer, FALLBACK_FORMAT.grammar(request, **bounds).source, log_level=0)
     return bool(matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False))) and matcher.is_accepting()
 
 
@@ -223,3 +225,56 @@ def test_a_template_that_renders_tools_is_used_and_its_call_syntax_read(tokenize
     text = layout.render([{"role": "user", "content": "Weather?"}], tools=tool_request([WEATHER]))
     assert text.startswith("<|im_start|>system\n# Tools\n<tools>\n") and "You may call functions" not in text
     assert json.loads(text.split("<tools>\n")[1].split("\n")[0]) == WEATHER
+
+
+@pytest.mark.parametrize(("calls", "message"), [
+    ("notalist", r"messages\[1\]\.tool_calls must be a list"),
+    ([{"foo": 1}], r"messages\[1\]\.tool_calls\[0\] has unsupported field\(s\) \['foo'\]"),
+    ([{"function": {"name": "get_weather", "arguments": "[]"}}], r"\[0\]\.function\.arguments must be"),
+])
+def test_malformed_assistant_tool_calls_are_refused_naming_the_message(tokenizer: PreTrainedTokenizerBase,
+                                                                       calls: Any, message: str) -> None:
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    for layout in (PromptLayout(tokenizer), _native_layout(tokenizer)):
+        with pytest.raises(InvalidRequestError, match=message):
+            layout.render(messages, tools=tool_request([WEATHER]))
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.tool_calls: only assistant"):
+        PromptLayout(tokenizer).render([{"role": "user", "content": "x", "tool_calls": [CALL]}])
+
+
+def _native_layout(tokenizer: PreTrainedTokenizerBase) -> PromptLayout:
+    native = copy.copy(tokenizer)
+    native.chat_template = NATIVE_TEMPLATE
+    return PromptLayout(native)
+
+
+def test_tool_parameters_with_defs_and_refs_are_enforced(ll_tokenizer: Any, tokenizer: PreTrainedTokenizerBase
+                                                         ) -> None:
+    """A nested Pydantic model's schema keeps its parts under `$defs` (OpenAI's pydantic_function_tool
+    sends it so): its `$ref`s point into the arguments schema, wherever the call grammar embeds it."""
+    place = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    trip = _tool("plan_trip", {"to": {"$ref": "#/$defs/Place"}, "stops": {"type": "array", "items": {"$ref": "#"}}},
+                 ["to"])
+    trip["function"]["parameters"]["$defs"] = {"Place": place}
+    arguments = {"to": {"city": "Oslo"}, "stops": [{"to": {"city": "Ry"}}]}
+    call = FALLBACK_FORMAT.render("plan_trip", arguments)
+    for request in (tool_request([trip], "required"), tool_request([WEATHER, trip], "required")):
+        assert _accepts(ll_tokenizer, tokenizer, request, call)
+        assert not _accepts(ll_tokenizer, tokenizer, request, call.replace('"city": "Oslo"', '"town": "Oslo"'))
+
+
+def test_string_arguments_are_bounded_so_a_call_closes(ll_tokenizer: Any, tokenizer: PreTrainedTokenizerBase) -> None:
+    """A free-text argument is bounded (the schema's maxLength, else DEFAULT_STRING_CHARS): a small
+    model that repeats itself inside a string is made to close it, and the call, there."""
+    request = tool_request([WEATHER], "required")
+    at_most = FALLBACK_FORMAT.render("get_weather", {"city": "a" * DEFAULT_STRING_CHARS})
+    assert _accepts(ll_tokenizer, tokenizer, request, at_most)
+    assert not _accepts(ll_tokenizer, tokenizer, request, at_most.replace('a"', 'aa"'))
+    long_text = _tool("note", {"text": {"type": "string", "maxLength": 2000}, "tags": {"type": "array", "items": {
+        "type": ["string", "null"], "minLength": 400}}})
+    assert _accepts(ll_tokenizer, tokenizer, tool_request([long_text], "required"),
+                    FALLBACK_FORMAT.render("note", {"text": "b" * 2000, "tags": ["c" * 400]}))
+    assert not _accepts(ll_tokenizer, tokenizer, tool_request([long_text], "required"),
+                        FALLBACK_FORMAT.render("note", {"text": "b", "tags": ["c" * 401]}))
+    assert _accepts(ll_tokenizer, tokenizer, tool_request([WEATHER], "required"),
+                    FALLBACK_FORMAT.render("get_weather", {"city": "d" * 40}), max_string_chars=40)

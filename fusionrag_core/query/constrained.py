@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -63,6 +64,14 @@ class Grammar:
             source = llg.LLMatcher.grammar_from_json_schema(json.dumps(dict(schema)), defaults=_JSON_OPTIONS)
         except ValueError as exc:
             raise InvalidRequestError(f"not a JSON schema: {exc}") from exc
+        endless = endless_refs(schema)
+        if endless is not None:
+            # NOTE: llguidance compiles such a schema; its matcher then admits only EOS (a cycle of bare
+            # $refs) or one more level forever (a required property that recurses): no answer is valid
+            raise InvalidRequestError(
+                f"the schema admits no finite JSON value: every value it allows contains itself again, through "
+                f"$ref {', '.join(repr(r) for r in endless)}; give the recursion a way out (make the property "
+                "optional, allow an empty array, or add an anyOf branch without it)")
         return cls._checked(source, f"JSON matching schema {schema.get('title', '')!s}".rstrip())
 
     @classmethod
@@ -115,7 +124,9 @@ class GrammarProcessor(LogitsProcessor):
             self.matcher.consume_tokens(new)
             self.consumed += len(new)
             self._raise_on_error()
-        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)  # [ceil(V'/32)]
+        mask = self.matcher.compute_bitmask()
+        self._raise_on_error()  # NOTE: a matcher with no way on leaves only EOS unmasked: never an answer
+        words = torch.frombuffer(bytearray(mask), dtype=torch.int32)  # [ceil(V'/32)]
         bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [W, 32]
         allowed = torch.zeros(scores.shape[-1], dtype=torch.bool)  # NOTE: ids past the tokenizer's vocab: never
         n = min(allowed.numel(), bits.numel())
@@ -167,4 +178,121 @@ def closed_objects(schema: Any) -> Any:
     return out
 
 
-__all__ = ["INSTALL_HINT", "Grammar", "GrammarProcessor", "closed_objects"]
+def endless_refs(schema: Any) -> list[str] | None:
+    """None if some finite JSON value can satisfy `schema` as far as its recursion goes; else the
+    local `$ref`s (at most three) that lead only into values containing themselves again.
+
+    Each subschema is an AND of what it requires (its `$ref` target, `allOf` members, one `anyOf` /
+    `oneOf` branch, one of its `type`s: an object's required properties, an array's `minItems` first
+    items); the least set of subschemas that can end is propagated from the ones that end outright
+    (a string, `{}`, a `const`), in time linear in the schema. Keywords that do not recurse are read
+    as satisfiable here (llguidance refuses what it finds unsatisfiable itself).
+    """
+    graph = _EndGraph(schema)
+    ends = graph.ending()
+    if ends[0]:
+        return None
+    return [ref for ref, node in graph.refs if not ends[node]][:3] or ["?"]
+
+
+class _EndGraph:
+    """The AND/OR graph of `endless_refs`: node 0 is the root schema; each node lists the nodes it needs."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.any: list[bool] = []  # NOTE: True: one child suffices (OR); False: all are needed (AND)
+        self.children: list[list[int]] = []
+        self.refs: list[tuple[str, int]] = []  # ($ref, the node of its target)
+        self._ids: dict[int, int] = {}
+        self._pending: list[tuple[int, Any]] = []
+        self._node_of(root)
+        while self._pending:
+            node, sub = self._pending.pop()
+            self._expand(node, sub)
+
+    def _new(self, any_of: bool, children: list[int]) -> int:
+        self.any.append(any_of)
+        self.children.append(children)
+        return len(self.any) - 1
+
+    def _node_of(self, sub: Any) -> int:
+        if not isinstance(sub, Mapping):
+            return self._new(sub is False, [])  # NOTE: `false` is an empty OR; `true` (or junk) an empty AND
+        if id(sub) not in self._ids:
+            self._ids[id(sub)] = self._new(False, [])
+            self._pending.append((self._ids[id(sub)], sub))
+        return self._ids[id(sub)]
+
+    def _expand(self, node: int, sub: Mapping[str, Any]) -> None:
+        needs = self.children[node]
+        ref = sub.get("$ref")
+        target = _local_target(self.root, ref) if isinstance(ref, str) else None
+        if target is not None:
+            needs.append(self._node_of(target[0]))
+            self.refs.append((str(ref), needs[-1]))
+        needs += [self._node_of(s) for s in _list(sub.get("allOf"))]
+        for key in ("anyOf", "oneOf"):
+            if isinstance(sub.get(key), list):
+                needs.append(self._new(True, [self._node_of(s) for s in sub[key]]))
+        types = sub.get("type")
+        if "const" not in sub and "enum" not in sub and types is not None:
+            needs.append(self._new(True, [self._type_node(sub, t) for t in _list(types) or [types]]))
+
+    def _type_node(self, sub: Mapping[str, Any], kind: Any) -> int:
+        if kind == "object":
+            given = sub.get("properties")
+            properties: Mapping[str, Any] = given if isinstance(given, Mapping) else {}
+            extra = sub.get("additionalProperties", True)
+            return self._new(False, [self._node_of(properties.get(p, extra)) for p in _list(sub.get("required"))])
+        if kind == "array":
+            least = sub.get("minItems", 0)
+            least = least if isinstance(least, int) else 0
+            items = sub.get("items", True)
+            prefix = _list(sub.get("prefixItems")) or (items if isinstance(items, list) else [])
+            rest = sub.get("items", True) if not isinstance(items, list) else sub.get("additionalItems", True)
+            needs = [self._node_of(s) for s in prefix[:least]]
+            return self._new(False, needs + ([self._node_of(rest)] if least > len(prefix) else []))
+        return self._new(False, [])
+
+    def ending(self) -> list[bool]:
+        """Which nodes some finite value satisfies (the least fixpoint, by propagation from the leaves)."""
+        parents: list[list[int]] = [[] for _ in self.any]
+        for node, children in enumerate(self.children):
+            for child in children:
+                parents[child].append(node)
+        waiting = [len(c) for c in self.children]
+        ends = [False] * len(self.any)
+        ready = [n for n, c in enumerate(self.children) if not c and not self.any[n]]
+        while ready:
+            node = ready.pop()
+            if ends[node]:
+                continue
+            ends[node] = True
+            for parent in parents[node]:
+                waiting[parent] -= 1
+                if not ends[parent] and (self.any[parent] or waiting[parent] == 0):
+                    ready.append(parent)
+        return ends
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _local_target(root: Any, ref: str) -> tuple[Any] | None:
+    """(the subschema `ref` points at,) for a local JSON pointer (`#`, `#/$defs/a`); None otherwise."""
+    if not ref.startswith("#") or (len(ref) > 1 and ref[1] != "/"):
+        return None  # NOTE: remote refs and anchors: llguidance resolves or refuses them
+    node = root
+    for part in ref[2:].split("/") if len(ref) > 1 else []:
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return (node,)
+
+
+__all__ = ["INSTALL_HINT", "Grammar", "GrammarProcessor", "closed_objects", "endless_refs"]

@@ -39,6 +39,11 @@ _Piece = TypeVar("_Piece")
 
 TOOL_CHOICES = ("auto", "required", "none")
 """Tool choices besides a tool's name: the model decides; it must call; it must not."""
+DEFAULT_STRING_CHARS = 200
+"""The longest string argument a call may hold where its tool's schema sets no `maxLength`
+(`EngineConfig.tool_string_chars`): a small model that repeats itself inside a free-text argument
+is made to close it there, and its call with it. 200, so that a call of one such argument closes
+within 256 tokens even at one token per character (a repeated "_2023" is; 300 ran past 256)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,14 @@ class InvalidToolCall:
     error: str
     id: str
     name: str | None = None
+    arguments: str = ""
+    """The arguments as far as the model wrote them (JSON text, cut off where the call was)."""
+
+    def openai(self) -> dict[str, Any]:
+        """This call in OpenAI's shape, as OpenAI reports a call cut off by `max_tokens`: the name
+        ("" when it was cut before it) and the arguments as written (they do not parse)."""
+        function = {"name": self.name or "", "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
 
 
 @dataclass(frozen=True)
@@ -191,8 +204,13 @@ class ToolCallFormat:
         return _format_from_template(tokenizer)
 
     # ---- decoding --------------------------------------------------------------------------------
-    def grammar(self, request: ToolRequest) -> Grammar:
+    def grammar(self, request: ToolRequest, max_string_chars: int = DEFAULT_STRING_CHARS) -> Grammar:
         """The llguidance grammar of an answer to `request` (see the module docstring).
+
+        Args:
+            request: the tools and the choice.
+            max_string_chars: the `maxLength` of every string a tool's schema types "string" and
+                leaves unbounded (raised to its `minLength` where that is more).
 
         Raises:
             InvalidRequestError: a tool's schema the grammar cannot express (named with the construct).
@@ -210,7 +228,7 @@ class ToolCallFormat:
             lines.append(f"start: TEXT | call{more}")
         else:
             lines.append(f"start: call{more}")
-        schema = self._call_schema(request.called()) if request.choice != "none" else None
+        schema = self._call_schema(request.called(), max_string_chars) if request.choice != "none" else None
         if schema is not None:
             lines += [f"call: {_literal(self.opener)} %json {json.dumps(schema)} {_literal(self.closer)}",
                       f"body: {_literal(rest)} %json {json.dumps(schema)} {_literal(self.closer)}"]
@@ -218,13 +236,19 @@ class ToolCallFormat:
         names = ", ".join(t.name for t in request.called()) or "no tool"
         return Grammar.lark("\n".join(lines) + "\n", f"an answer or calls of {names}")
 
-    def _call_schema(self, tools: Sequence[ToolSpec]) -> dict[str, Any]:
+    def _call_schema(self, tools: Sequence[ToolSpec], max_string_chars: int) -> dict[str, Any]:
+        # NOTE: a tool's `$ref`s point into its own arguments schema (`#`, `#/$defs/...`): rebased to
+        # where that schema sits in the call's
+        at = f"properties/{_pointer_part(self.arguments_key)}"
+        bases = [f"#/{at}"] if len(tools) == 1 else [f"#/anyOf/{k}/{at}" for k in range(len(tools))]
+        arguments = [_rebased(_bounded(_arguments_schema(t), max_string_chars), base) for t, base in zip(tools, bases,
+                                                                                                         strict=True)]
         options = [{
             "type": "object",
-            "properties": {self.name_key: {"const": t.name}, self.arguments_key: _arguments_schema(t)},
+            "properties": {self.name_key: {"const": t.name}, self.arguments_key: args},
             "required": [self.name_key, self.arguments_key],
             "additionalProperties": False,
-        } for t in tools]
+        } for t, args in zip(tools, arguments, strict=True)]
         schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
         # NOTE: fixed spacing, json.dumps's (what the fallback prompt shows and templates render):
         # free whitespace lets a small model wander into blank lines, and compact JSON is a spacing
@@ -264,19 +288,22 @@ class ToolCallFormat:
             value = json.loads(body)
         except json.JSONDecodeError as exc:
             why = "the call ended before its closing tag (max_tokens?)" if not complete else f"not JSON: {exc}"
-            return InvalidToolCall(raw, why, call_id, _name_in(body, self.name_key))
+            return InvalidToolCall(raw, why, call_id, _name_in(body, self.name_key),
+                                   _arguments_in(body, self.arguments_key))
         if not isinstance(value, dict) or not isinstance(value.get(self.name_key), str):
             return InvalidToolCall(raw, f"a call is a JSON object with a string {self.name_key!r}", call_id)
         name, arguments = value[self.name_key], value.get(self.arguments_key, {})
+        written = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError as exc:
-                return InvalidToolCall(raw, f"arguments are not JSON: {exc}", call_id, name)
+                return InvalidToolCall(raw, f"arguments are not JSON: {exc}", call_id, name, written)
         if not isinstance(arguments, dict):
-            return InvalidToolCall(raw, f"{self.arguments_key!r} must be a JSON object", call_id, name)
+            return InvalidToolCall(raw, f"{self.arguments_key!r} must be a JSON object", call_id, name, written)
         if names and name not in names:
-            return InvalidToolCall(raw, f"no bound tool is named {name!r} (bound: {sorted(names)})", call_id, name)
+            return InvalidToolCall(raw, f"no bound tool is named {name!r} (bound: {sorted(names)})", call_id, name,
+                                   written)
         return ToolCall(name, arguments, call_id, raw)
 
 
@@ -393,7 +420,12 @@ class ChatTools:
     def adapt(self, messages: Sequence[Mapping[str, Any]],
               tools: ToolRequest | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """`(messages, tools)` for `apply_chat_template`: OpenAI-shaped messages (assistant
-        `tool_calls`, `tool` results) in the shape this template reads."""
+        `tool_calls`, `tool` results) in the shape this template reads.
+
+        Raises:
+            InvalidRequestError: a malformed `tool_calls` (`check_tool_calls`).
+        """
+        check_tool_calls(messages)
         if self.native:
             return [_hf_message(m) for m in messages], tools.openai() if tools is not None else None
         if tools is not None and not self._warned:
@@ -402,6 +434,70 @@ class ChatTools:
                            "fallback format (<tools> in the system message, <tool_call> JSON blocks; see "
                            "docs/integrations.md)")
         return _fallback_messages(messages, tools, self.format), None
+
+
+_CALL_SHAPE = "{'id': <string>, 'type': 'function', 'function': {'name': <string>, 'arguments': <JSON string>}}"
+
+
+def check_tool_calls(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse a message's `tool_calls` unless it is OpenAI's list of function calls on an assistant message.
+
+    Each call is `{"id", "type": "function", "function": {"name", "arguments"}}`; `id` and `type`
+    may be left out (in-process callers often do), `arguments` is the JSON text of an object (in
+    process, the object itself), and no other field is taken.
+
+    Raises:
+        InvalidRequestError: the first malformed call, named by message index and field
+            (`messages[1].tool_calls[0].function.name ...`).
+    """
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls")
+        if calls is None or (isinstance(calls, list) and not calls):
+            continue
+        where = f"messages[{i}].tool_calls"
+        if message.get("role") != "assistant":
+            raise InvalidRequestError(f"{where}: only assistant messages carry tool_calls")
+        if not isinstance(calls, list):
+            raise InvalidRequestError(f"{where} must be a list of calls {_CALL_SHAPE}, got {type(calls).__name__}")
+        for j, call in enumerate(calls):
+            _check_call(f"{where}[{j}]", call)
+
+
+def _check_call(where: str, call: Any) -> None:
+    if not isinstance(call, Mapping):
+        raise InvalidRequestError(f"{where} must be an object {_CALL_SHAPE}, got {type(call).__name__}")
+    unknown = sorted(set(call) - {"id", "type", "function"})
+    if unknown:
+        raise InvalidRequestError(f"{where} has unsupported field(s) {unknown}: a call is {_CALL_SHAPE}")
+    if call.get("type", "function") != "function":
+        raise InvalidRequestError(f"{where}.type must be 'function', got {call.get('type')!r}")
+    if not isinstance(call.get("id"), str | None):
+        raise InvalidRequestError(f"{where}.id must be a string, got {type(call.get('id')).__name__}")
+    function = call.get("function")
+    if not isinstance(function, Mapping):
+        raise InvalidRequestError(f"{where}.function must be an object {{'name': <string>, 'arguments': "
+                                  f"<JSON string>}}, got {type(function).__name__}")
+    unknown = sorted(set(function) - {"name", "arguments"})
+    if unknown:
+        raise InvalidRequestError(f"{where}.function has unsupported field(s) {unknown}: it holds 'name' and "
+                                  "'arguments'")
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        raise InvalidRequestError(f"{where}.function.name must be the called tool's name (a non-empty string)")
+    _arguments_of(function.get("arguments"), f"{where}.function.arguments")
+
+
+def _arguments_of(arguments: Any, where: str) -> dict[str, Any]:
+    """A call's arguments as a dict: JSON text of an object (empty: no arguments), or the object."""
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"{where} is not JSON ({exc}): pass the JSON text of an object") from exc
+    if not isinstance(arguments, Mapping):
+        raise InvalidRequestError(f"{where} must be the JSON text of an object, got {type(arguments).__name__}")
+    return dict(arguments)
 
 
 def template_renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -464,17 +560,9 @@ def _hf_message(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _call_parts(call: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(name, arguments dict) of an OpenAI-shaped call (`{"function": {"name", "arguments"}}`)."""
-    function = call.get("function", call)
-    arguments = function.get("arguments") or {}
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"the arguments of call {function.get('name')!r} are not JSON: {exc}") from exc
-    if not isinstance(arguments, dict):
-        raise InvalidRequestError(f"the arguments of call {function.get('name')!r} must be a JSON object")
-    return str(function.get("name")), arguments
+    """(name, arguments dict) of an OpenAI-shaped call `check_tool_calls` let through."""
+    function = call["function"]
+    return str(function["name"]), _arguments_of(function.get("arguments"), "arguments")
 
 
 _SENTINEL_NAME, _SENTINEL_KEY, _SENTINEL_VALUE, _SENTINEL_TEXT = "\ue020", "\ue021", "\ue022", "\ue023"
@@ -521,6 +609,39 @@ def _arguments_schema(tool: ToolSpec) -> dict[str, Any]:
     return schema
 
 
+def _bounded(schema: Any, max_chars: int) -> Any:
+    """`schema` with `maxLength` on every subschema typed "string" that has none (nor an enum or const)."""
+    if isinstance(schema, list):
+        return [_bounded(s, max_chars) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: _bounded(v, max_chars) for k, v in schema.items()}
+    types = out.get("type")
+    typed = types == "string" or (isinstance(types, list) and "string" in types)
+    if typed and not {"maxLength", "enum", "const"} & set(out):
+        least = out.get("minLength")
+        out["maxLength"] = max(max_chars, least if isinstance(least, int) else 0)
+    return out
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with each local `$ref` (`#...`) moved under the JSON pointer `base` (`#/...`)."""
+    if isinstance(schema, list):
+        return [_rebased(s, base) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: _rebased(v, base) for k, v in schema.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
+    return out
+
+
+def _pointer_part(key: str) -> str:
+    """`key` as one segment of a JSON pointer."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
 def _check_schema(tool: ToolSpec) -> None:
     """Compile one tool's schema alone, so an error names the tool."""
     try:
@@ -550,6 +671,12 @@ def _partial_suffix(text: str, trigger: str) -> int:
 def _name_in(body: str, name_key: str) -> str | None:
     match = re.search(rf'"{re.escape(name_key)}"\s*:\s*"([^"]+)"', body)
     return match.group(1) if match else None
+
+
+def _arguments_in(body: str, arguments_key: str) -> str:
+    """What follows `"arguments": ` in a call's text that is not JSON (a cut-off call: all of it)."""
+    match = re.search(rf'"{re.escape(arguments_key)}"\s*:\s*', body)
+    return body[match.end():] if match else ""
 
 
 def tool_request(tools: Sequence[Mapping[str, Any] | ToolSpec], choice: Any = None,
@@ -615,6 +742,7 @@ def _choice(choice: Any, tools: Sequence[ToolSpec]) -> str:
 
 
 __all__ = [
+    "DEFAULT_STRING_CHARS",
     "FALLBACK_FORMAT",
     "TOOL_CHOICES",
     "ChatTools",
@@ -626,6 +754,7 @@ __all__ = [
     "ToolCallSplitter",
     "ToolRequest",
     "ToolSpec",
+    "check_tool_calls",
     "fallback_system_text",
     "split_calls",
     "template_renders_tools",

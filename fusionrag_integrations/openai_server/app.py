@@ -268,11 +268,12 @@ class _Stream:
             choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": generation.finish_reason}
             return self.envelope.wrap("text_completion", [choice], usage=usage(generation),
                                       fusionrag=fusionrag_stats(generation, self.invalid))
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if self.calls else "")}
-        if self.calls:
-            message["tool_calls"] = [tool_call_dict(c) for c in self.calls]
+        calls: list[ToolCall | InvalidToolCall] = [*self.calls, *self.invalid]
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = [tool_call_dict(c) for c in calls]
         choice = {"index": 0, "message": message, "logprobs": None,
-                  "finish_reason": finish_reason(generation, self.calls)}
+                  "finish_reason": finish_reason(generation, self.calls, self.invalid)}
         return self.envelope.wrap("chat.completion", [choice], usage=usage(generation),
                                   fusionrag=fusionrag_stats(generation, self.invalid))
 
@@ -286,9 +287,8 @@ class _Stream:
                     yield sse(self.envelope.wrap(self._kind, [], usage=usage(piece),
                                                  fusionrag=fusionrag_stats(piece, self.invalid)))
                 yield sse("[DONE]")
-            elif isinstance(piece, ToolCall):
-                self.calls.append(piece)
-                yield sse(self._chunk({"tool_calls": [tool_call_dict(piece, len(self.calls) - 1)]}))
+            elif isinstance(piece, ToolCall | InvalidToolCall):
+                yield sse(self._chunk({"tool_calls": [self._call_delta(piece)]}))
             else:
                 yield sse(self._chunk(self._delta(self._text_of(piece))))
 
@@ -307,20 +307,25 @@ class _Stream:
         return {"content": text} if self.endpoint == "chat" else text
 
     def _text_of(self, piece: str | ToolCall | InvalidToolCall) -> str:
-        """A piece's text; a call is kept aside (an invalid one also shows as text, as the model wrote it)."""
-        if isinstance(piece, ToolCall):
-            self.calls.append(piece)
+        """A piece's text; a call, valid or not (cut off by max_tokens), is kept aside: never content."""
+        if isinstance(piece, ToolCall | InvalidToolCall):
+            self._call_delta(piece)
             return ""
-        if isinstance(piece, InvalidToolCall):
-            self.invalid.append(piece)
-            return piece.text
         return piece
+
+    def _call_delta(self, call: ToolCall | InvalidToolCall) -> dict[str, Any]:
+        """Keep `call` aside; its stream delta, indexed in the order calls came."""
+        if isinstance(call, ToolCall):
+            self.calls.append(call)
+        else:
+            self.invalid.append(call)
+        return tool_call_dict(call, len(self.calls) + len(self.invalid) - 1)
 
     def _finish_event(self, generation: Generation) -> str:
         """The stream's finishing chunk (empty delta, finish reason, FusionRAG's statistics)."""
         self._finished(generation)
         empty: dict[str, Any] | str = {} if self.endpoint == "chat" else ""
-        return sse(self._chunk(empty, finish_reason(generation, self.calls),
+        return sse(self._chunk(empty, finish_reason(generation, self.calls, self.invalid),
                                fusionrag=fusionrag_stats(generation, self.invalid)))
 
     def _finished(self, generation: Generation) -> None:

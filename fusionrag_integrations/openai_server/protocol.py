@@ -200,13 +200,19 @@ def fusionrag_stats(generation: Generation, invalid: list[InvalidToolCall]) -> d
     return stats
 
 
-def tool_call_dict(call: ToolCall, index: int | None = None) -> dict[str, Any]:
-    """A call in OpenAI's shape (arguments as a JSON string); with `index` for a stream's delta."""
+def tool_call_dict(call: ToolCall | InvalidToolCall, index: int | None = None) -> dict[str, Any]:
+    """A call in OpenAI's shape (arguments as a JSON string; a call that did not parse, e.g. cut off
+    by max_tokens, with its arguments as written); with `index` for a stream's delta."""
     return call.openai() if index is None else {"index": index, **call.openai()}
 
 
-def finish_reason(generation: Generation, calls: list[ToolCall]) -> Literal["stop", "length", "tool_calls"]:
-    if calls:
+def finish_reason(generation: Generation, calls: list[ToolCall],
+                  invalid: list[InvalidToolCall] | None = None) -> Literal["stop", "length", "tool_calls"]:
+    """"length" when max_tokens ended the answer in a call (as OpenAI reports it), "tool_calls"
+    when it holds calls, else the generation's own."""
+    if invalid and generation.finish_reason == "length":
+        return "length"
+    if calls or invalid:
         return "tool_calls"
     return generation.finish_reason
 
