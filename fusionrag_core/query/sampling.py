@@ -151,7 +151,9 @@ class TextAssembler:
 
     Decoding the whole generation each step (instead of token by token) keeps multi-byte
     characters and tokenizer-specific spacing right; a trailing U+FFFD means a character is not
-    complete yet, so it is held back.
+    complete yet, so it is held back. The text ends before the earliest stop string in it; what is
+    held back is the longest end of the text that is a proper prefix of a stop string, and finding
+    it costs the new characters' worth of work, whatever the stops' lengths (`_StopOverlap`).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str]) -> None:
@@ -161,6 +163,10 @@ class TextAssembler:
         self.emitted = 0  # characters of the decoded text already streamed
         self.text = ""
         self.stopped = False
+        # NOTE: a one-character stop is never partly there: only longer ones can hold text back
+        self._overlaps = [_StopOverlap(s) for s in self.stop if len(s) > 1]
+        self._window = max((len(s) - 1 for s in self.stop), default=0)  # the most a stop prefix can span
+        self._scanned = ""  # the text the overlaps have read
 
     def add(self, token_id: int) -> str:
         """Add a token; returns the new text that is safe to stream (may be empty)."""
@@ -169,20 +175,74 @@ class TextAssembler:
         if text.endswith("\ufffd"):
             return ""
         self.text = text
-        for s in self.stop:
-            at = text.find(s, max(0, self.emitted - len(s)))
-            if at != -1:
-                self.text = text[:at]
-                self.stopped = True
-                return self._emit(len(self.text))
-        # hold back a tail that is a prefix of some stop string
-        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        return self._emit(len(text) - hold)
+        at = self._first_stop(text)
+        if at is not None:
+            self.text = text[:at]
+            self.stopped = True
+            return self._emit(at)
+        return self._emit(len(text) - self._hold(text))
 
     def flush(self) -> str:
         return self._emit(len(self.text))
+
+    def _first_stop(self, text: str) -> int | None:
+        """Where the earliest stop string in `text` starts (None: none is there).
+
+        Only a stop ending in text not yet streamed is new: the search starts a stop's length
+        before it."""
+        found = [at for s in self.stop if (at := text.find(s, max(0, self.emitted - len(s)))) != -1]
+        return min(found, default=None)
+
+    def _hold(self, text: str) -> int:
+        """How many of `text`'s last characters may still become a stop string (held back)."""
+        if not self._overlaps:
+            return 0
+        scanned, window = self._scanned, self._window
+        kept = min(len(scanned), window)  # NOTE: the overlaps depend on the scanned text's last `window` characters
+        if len(scanned) <= len(text) <= len(scanned) + window and text.startswith(scanned[len(scanned) - kept:],
+                                                                                   len(scanned) - kept):
+            new = text[len(scanned):]
+        else:  # the decode changed text already read, or leapt past a window: read the window again
+            for overlap in self._overlaps:
+                overlap.length = 0
+            new = text[max(0, len(text) - window):]
+        self._scanned = text
+        return max(overlap.feed(new) for overlap in self._overlaps)
 
     def _emit(self, upto: int) -> str:
         piece = self.text[self.emitted:upto] if upto > self.emitted else ""
         self.emitted = max(self.emitted, upto)
         return piece
+
+
+class _StopOverlap:
+    """The longest end of a growing text that is a proper prefix of one stop string (Knuth-Morris-Pratt):
+    each character read costs amortised O(1) whatever the stop's length.
+
+    Attributes:
+        length: that end's length, for the text read so far (0 before any; set to 0 to start over).
+    """
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.length = 0
+        # border[k]: the longest proper prefix of stop[:k + 1] that is also its suffix
+        self.border = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.border[k - 1]
+            k += stop[i] == stop[k]
+            self.border[i] = k
+
+    def feed(self, chars: str) -> int:
+        """Read `chars`; returns the new `length`."""
+        stop, border, k = self.stop, self.border, self.length
+        for c in chars:
+            while k and stop[k] != c:
+                k = border[k - 1]
+            k += stop[k] == c
+            if k == len(stop):  # NOTE: a whole stop (the caller cuts the text there): keep its longest border
+                k = border[k - 1]
+        self.length = k
+        return k
