@@ -4,6 +4,7 @@ warpers keep what transformers keeps, stop strings fire where transformers' Stop
 from __future__ import annotations
 
 import random
+import re
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -79,6 +80,21 @@ def test_warpers_keep_what_transformers_keeps() -> None:
 def test_invalid_new_knobs_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(InvalidRequestError):
         SamplingConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("stop", "named"), [
+    (("a", "b", "c", "d", "e"), "at most 4 stop strings"),
+    (("x" * 1_025,), "1024 characters"),
+    (("x" * 600, "y" * 425), "1024 characters"),
+    (("ok", 7), "stop[1]"),
+])
+def test_stop_strings_over_the_limits_are_refused_naming_them(stop: tuple[str, ...], named: str) -> None:
+    with pytest.raises(InvalidRequestError, match=re.escape(named)):
+        SamplingConfig(stop=stop)
+
+
+def test_stop_strings_at_the_limits_are_taken() -> None:
+    assert SamplingConfig(stop=("a" * 1_021, "b", "c", "d")).stop[0] == "a" * 1_021
 
 
 @pytest.mark.parametrize(("text", "stop"), [

@@ -20,6 +20,14 @@ from transformers.generation.logits_process import (
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.constrained import Grammar, GrammarProcessor
 
+MAX_STOP_STRINGS = 4
+"""Most stop strings one request may pass: OpenAI's own limit."""
+MAX_STOP_CHARS = 1024
+"""Most characters one request's stop strings may hold in all. Stop strings are delimiters (tens of
+characters); each decode step searches the new text for every stop, and re-reads a stop's length of text when
+the decode changed text already read (`TextAssembler`), inside the scheduler's shared round: their
+length is what one request adds to every running request's step."""
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -36,7 +44,8 @@ class SamplingConfig:
         min_p: drop tokens below `min_p` x the top token's probability (None: off).
         repetition_penalty: CTRL's penalty on tokens already in the prompt or the answer (1.0: off).
         seed: sampler seed (only matters when temperature > 0); None draws a fresh one.
-        stop: stop strings; the text ends before the first one.
+        stop: stop strings; the text ends before the earliest one in it (at most `MAX_STOP_STRINGS`,
+            `MAX_STOP_CHARS` characters in all).
         grammar: constrain the text to a grammar (`constrained.Grammar`, e.g. a JSON schema).
     """
 
@@ -63,6 +72,7 @@ class SamplingConfig:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise InvalidRequestError(f"repetition_penalty must be > 0 (1.0: off), got {self.repetition_penalty}")
+        _check_stop(self.stop)
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +94,20 @@ class SamplingConfig:
         if self.min_p is not None:
             processors.append(MinPLogitsWarper(self.min_p))
         return processors
+
+
+def _check_stop(stop: Sequence[str]) -> None:
+    """Raises InvalidRequestError: a stop that is no string, or stops over the limits."""
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise InvalidRequestError(f"stop[{i}] must be a string, got {type(s).__name__}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} stop strings are "
+                                  "allowed: keep the ones the answer must end at")
+    chars = sum(len(s) for s in stop)
+    if chars > MAX_STOP_CHARS:
+        raise InvalidRequestError(f"stop strings hold {chars} characters; at most {MAX_STOP_CHARS} characters in all "
+                                  "are allowed: a stop string is a delimiter, such as '\\n\\n' or '</answer>'")
 
 
 class Sampler:
@@ -197,17 +221,14 @@ class TextAssembler:
         """How many of `text`'s last characters may still become a stop string (held back)."""
         if not self._overlaps:
             return 0
-        scanned, window = self._scanned, self._window
-        kept = min(len(scanned), window)  # NOTE: the overlaps depend on the scanned text's last `window` characters
-        if len(scanned) <= len(text) <= len(scanned) + window and text.startswith(scanned[len(scanned) - kept:],
-                                                                                   len(scanned) - kept):
+        scanned, self._scanned = self._scanned, text
+        kept = min(len(scanned), self._window)  # NOTE: the overlaps depend on the last `window` characters read
+        grew = len(scanned) <= len(text) <= len(scanned) + self._window
+        if grew and text.startswith(scanned[len(scanned) - kept:], len(scanned) - kept):
             new = text[len(scanned):]
-        else:  # the decode changed text already read, or leapt past a window: read the window again
-            for overlap in self._overlaps:
-                overlap.length = 0
-            new = text[max(0, len(text) - window):]
-        self._scanned = text
-        return max(overlap.feed(new) for overlap in self._overlaps)
+            return max(overlap.feed(new) for overlap in self._overlaps)
+        # NOTE: the decode changed text already read (spacing, a completed character), or leapt ahead
+        return max(overlap.reread(text) for overlap in self._overlaps)
 
     def _emit(self, upto: int) -> str:
         piece = self.text[self.emitted:upto] if upto > self.emitted else ""
@@ -220,7 +241,7 @@ class _StopOverlap:
     each character read costs amortised O(1) whatever the stop's length.
 
     Attributes:
-        length: that end's length, for the text read so far (0 before any; set to 0 to start over).
+        length: that end's length, for the text read so far.
     """
 
     def __init__(self, stop: str) -> None:
@@ -234,6 +255,11 @@ class _StopOverlap:
                 k = self.border[k - 1]
             k += stop[i] == stop[k]
             self.border[i] = k
+
+    def reread(self, text: str) -> int:
+        """Start over on `text` (only its last `len(stop) - 1` characters matter); returns the new `length`."""
+        self.length = 0
+        return self.feed(text[max(0, len(text) - len(self.stop) + 1):])
 
     def feed(self, chars: str) -> int:
         """Read `chars`; returns the new `length`."""
