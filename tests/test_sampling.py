@@ -3,6 +3,13 @@ warpers keep what transformers keeps, stop strings fire where transformers' Stop
 
 from __future__ import annotations
 
+import random
+import re
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
@@ -75,6 +82,21 @@ def test_invalid_new_knobs_are_refused(kwargs: dict[str, float]) -> None:
         SamplingConfig(**kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(("stop", "named"), [
+    (("a", "b", "c", "d", "e"), "at most 4 stop strings"),
+    (("x" * 1_025,), "1024 characters"),
+    (("x" * 600, "y" * 425), "1024 characters"),
+    (("ok", 7), "stop[1]"),
+])
+def test_stop_strings_over_the_limits_are_refused_naming_them(stop: tuple[str, ...], named: str) -> None:
+    with pytest.raises(InvalidRequestError, match=re.escape(named)):
+        SamplingConfig(stop=stop)
+
+
+def test_stop_strings_at_the_limits_are_taken() -> None:
+    assert SamplingConfig(stop=("a" * 1_021, "b", "c", "d")).stop[0] == "a" * 1_021
+
+
 @pytest.mark.parametrize(("text", "stop"), [
     ("Paris is nice.\nQuestion: next one", "\nQuestion"),
     ("The answer is stopped here", "stop"),
@@ -92,3 +114,102 @@ def test_stop_strings_fire_at_the_token_transformers_stops_at(
     assert ours == theirs
     if ours is not None:
         assert assembler.text == text[: text.index(stop)]  # NOTE: LangChain's convention: the stop is cut
+
+
+# ---- stop strings: the hold-back's work and its semantics ---------------------------------------------
+class _Pieces:
+    """A tokenizer over a few text pieces (id = index), decoding like real ones do at their edges:
+    "~~" is one character ("é"), a lone "~" an incomplete one (U+FFFD), and " ." loses its space
+    (`clean_up_tokenization_spaces`), so earlier text can change as tokens arrive."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = "".join(self.pieces[i] for i in ids)
+        return text.replace("~~", "é").replace("~", "\ufffd").replace(" .", ".")
+
+
+def _assembler(pieces: list[str], stop: list[str]) -> TextAssembler:
+    return TextAssembler(_Pieces(pieces), stop)  # type: ignore[arg-type]
+
+
+def _lines_run(run: Callable[[], object]) -> int:
+    """Python lines executed by `run()`: the work done in Python, whatever the machine's speed."""
+    count = 0
+
+    def trace(frame: FrameType, event: str, arg: object) -> Any:  # NOTE: Any: typeshed's TraceFunction is private
+        nonlocal count
+        count += event == "line"
+        return trace
+
+    sys.settrace(trace)
+    try:
+        run()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+@pytest.mark.parametrize("stop", ["a" * 10_000 + "b", "ab" * 5_000 + "c"])
+def test_holding_back_a_stop_prefix_costs_the_same_whatever_the_stop_length(stop: str) -> None:
+    def work(length: int) -> int:
+        assembler = _assembler(["a", "b"], [stop[:length - 1] + stop[-1]])
+        return _lines_run(lambda: [assembler.add(i % 2 if "b" in stop[:-1] else 0) for i in range(40)])
+
+    short, long = work(100), work(len(stop))
+    assert long <= 1.2 * short, f"40 tokens ran {long} lines with a {len(stop)}-character stop, {short} with 100"
+
+
+def _old_assembler_output(tokenizer: _Pieces, stop: list[str], ids: list[int]) -> tuple[list[str], str, bool, str]:
+    """What `TextAssembler` streamed before its hold-back became incremental (its quadratic
+    hold-back, verbatim; the stop found is the earliest in the text, not the first listed)."""
+    stops = [s for s in stop if s]
+    seen: list[int] = []
+    emitted, kept, stopped, pieces = 0, "", False, []
+
+    def emit(upto: int) -> str:
+        nonlocal emitted
+        piece = kept[emitted:upto] if upto > emitted else ""
+        emitted = max(emitted, upto)
+        return piece
+
+    for token in ids:
+        seen.append(token)
+        text = tokenizer.decode(seen)
+        if text.endswith("\ufffd"):
+            pieces.append("")
+            continue
+        kept = text
+        found = [at for s in stops if (at := text.find(s, max(0, emitted - len(s)))) != -1]
+        if found:
+            kept, stopped = text[:min(found)], True
+            pieces.append(emit(len(kept)))
+            break
+        hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        pieces.append(emit(len(text) - hold))
+    return pieces, kept, stopped, emit(len(kept))
+
+
+def test_the_incremental_hold_back_streams_what_the_quadratic_one_did() -> None:
+    rng = random.Random(45)
+    pieces = ["a", "b", "ab", "ba", "aab", " ", ".", " .", "a ", "~"]
+    for case in range(4000):
+        stop = ["".join(rng.choices("ab .é", k=rng.randint(0, 6))) for _ in range(rng.randint(0, 3))]
+        ids = [rng.randrange(len(pieces)) for _ in range(rng.randint(1, 20))]
+        assembler = _assembler(pieces, stop)
+        streamed = []
+        for token in ids:
+            streamed.append(assembler.add(token))
+            if assembler.stopped:
+                break
+        ours = (streamed, assembler.text, assembler.stopped, assembler.flush())
+        assert ours == _old_assembler_output(_Pieces(pieces), stop, ids), (case, stop, ids)
+
+
+def test_a_stop_string_never_leaks_when_a_later_listed_one_comes_first() -> None:
+    assembler = _assembler(["x", "ab"], ["b", "a"])
+    assert assembler.add(0) == "x"
+    assert assembler.add(1) == ""  # NOTE: "a" starts first: the text ends before it, not before "b"
+    assert assembler.stopped
+    assert assembler.text == "x"

@@ -328,6 +328,22 @@ def test_unsupported_completion_is_400_naming_it(serve: Serve, body: dict[str, A
     assert named in error_of(response)["message"]
 
 
+@pytest.mark.parametrize(("stop", "named"), [
+    (["a", "b", "c", "d", "e"], "at most 4 stop strings"),
+    ("x" * 100_000, "1024 characters"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_over_the_limits_are_400_naming_them(serve: Serve, stop: str | list[str], named: str,
+                                                          stream: bool) -> None:
+    client = serve()
+    response = chat(client, stop=stop, stream=stream)
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["type"] == "invalid_request_error"
+    assert named in error["message"]
+    assert chat(client, stop=["a", "b", "c", "d"]).status_code == 200
+
+
 def test_malformed_json_is_400(serve: Serve) -> None:
     client = serve()
     response = client.post(CHAT, content=b'{"messages": [', headers={"content-type": "application/json"})

@@ -21,6 +21,14 @@ from transformers.generation.logits_process import (
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.constrained import Grammar, GrammarProcessor
 
+MAX_STOP_STRINGS = 4
+"""Most stop strings one request may pass: OpenAI's own limit."""
+MAX_STOP_CHARS = 1024
+"""Most characters one request's stop strings may hold in all. Stop strings are delimiters (tens of
+characters); each decode step searches the new text for every stop, and re-reads a stop's length of text when
+the decode changed text already read (`TextAssembler`), inside the scheduler's shared round: their
+length is what one request adds to every running request's step."""
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -37,7 +45,8 @@ class SamplingConfig:
         min_p: drop tokens below `min_p` x the top token's probability (None: off).
         repetition_penalty: CTRL's penalty on tokens already in the prompt or the answer (1.0: off).
         seed: sampler seed (only matters when temperature > 0); None draws a fresh one.
-        stop: stop strings; the text ends before the first one.
+        stop: stop strings; the text ends before the earliest one in it (at most `MAX_STOP_STRINGS`,
+            `MAX_STOP_CHARS` characters in all).
         grammar: constrain the text to a grammar (`constrained.Grammar`, e.g. a JSON schema).
     """
 
@@ -66,6 +75,7 @@ class SamplingConfig:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise InvalidRequestError(f"repetition_penalty must be > 0 (1.0: off), got {self.repetition_penalty}")
+        _check_stop(self.stop)
 
     @property
     def greedy(self) -> bool:
@@ -107,6 +117,20 @@ def _check_seed(seed: int | None) -> None:
     low, high = SEED_RANGE
     if seed is not None and not low <= seed <= high:
         raise InvalidRequestError(f"seed must be an integer from {low} to {high} (a 64-bit seed), got {seed}")
+
+
+def _check_stop(stop: Sequence[str]) -> None:
+    """Raises InvalidRequestError: a stop that is no string, or stops over the limits."""
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise InvalidRequestError(f"stop[{i}] must be a string, got {type(s).__name__}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} stop strings are "
+                                  "allowed: keep the ones the answer must end at")
+    chars = sum(len(s) for s in stop)
+    if chars > MAX_STOP_CHARS:
+        raise InvalidRequestError(f"stop strings hold {chars} characters; at most {MAX_STOP_CHARS} characters in all "
+                                  "are allowed: a stop string is a delimiter, such as '\\n\\n' or '</answer>'")
 
 
 class Sampler:
@@ -174,7 +198,9 @@ class TextAssembler:
 
     Decoding the whole generation each step (instead of token by token) keeps multi-byte
     characters and tokenizer-specific spacing right; a trailing U+FFFD means a character is not
-    complete yet, so it is held back.
+    complete yet, so it is held back. The text ends before the earliest stop string in it; what is
+    held back is the longest end of the text that is a proper prefix of a stop string, and finding
+    it costs the new characters' worth of work, whatever the stops' lengths (`_StopOverlap`).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str]) -> None:
@@ -184,6 +210,10 @@ class TextAssembler:
         self.emitted = 0  # characters of the decoded text already streamed
         self.text = ""
         self.stopped = False
+        # NOTE: a one-character stop is never partly there: only longer ones can hold text back
+        self._overlaps = [_StopOverlap(s) for s in self.stop if len(s) > 1]
+        self._window = max((len(s) - 1 for s in self.stop), default=0)  # the most a stop prefix can span
+        self._scanned = ""  # the text the overlaps have read
 
     def add(self, token_id: int) -> str:
         """Add a token; returns the new text that is safe to stream (may be empty)."""
@@ -192,20 +222,76 @@ class TextAssembler:
         if text.endswith("\ufffd"):
             return ""
         self.text = text
-        for s in self.stop:
-            at = text.find(s, max(0, self.emitted - len(s)))
-            if at != -1:
-                self.text = text[:at]
-                self.stopped = True
-                return self._emit(len(self.text))
-        # hold back a tail that is a prefix of some stop string
-        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        return self._emit(len(text) - hold)
+        at = self._first_stop(text)
+        if at is not None:
+            self.text = text[:at]
+            self.stopped = True
+            return self._emit(at)
+        return self._emit(len(text) - self._hold(text))
 
     def flush(self) -> str:
         return self._emit(len(self.text))
+
+    def _first_stop(self, text: str) -> int | None:
+        """Where the earliest stop string in `text` starts (None: none is there).
+
+        Only a stop ending in text not yet streamed is new: the search starts a stop's length
+        before it."""
+        found = [at for s in self.stop if (at := text.find(s, max(0, self.emitted - len(s)))) != -1]
+        return min(found, default=None)
+
+    def _hold(self, text: str) -> int:
+        """How many of `text`'s last characters may still become a stop string (held back)."""
+        if not self._overlaps:
+            return 0
+        scanned, self._scanned = self._scanned, text
+        kept = min(len(scanned), self._window)  # NOTE: the overlaps depend on the last `window` characters read
+        grew = len(scanned) <= len(text) <= len(scanned) + self._window
+        if grew and text.startswith(scanned[len(scanned) - kept:], len(scanned) - kept):
+            new = text[len(scanned):]
+            return max(overlap.feed(new) for overlap in self._overlaps)
+        # NOTE: the decode changed text already read (spacing, a completed character), or leapt ahead
+        return max(overlap.reread(text) for overlap in self._overlaps)
 
     def _emit(self, upto: int) -> str:
         piece = self.text[self.emitted:upto] if upto > self.emitted else ""
         self.emitted = max(self.emitted, upto)
         return piece
+
+
+class _StopOverlap:
+    """The longest end of a growing text that is a proper prefix of one stop string (Knuth-Morris-Pratt):
+    each character read costs amortised O(1) whatever the stop's length.
+
+    Attributes:
+        length: that end's length, for the text read so far.
+    """
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.length = 0
+        # border[k]: the longest proper prefix of stop[:k + 1] that is also its suffix
+        self.border = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.border[k - 1]
+            k += stop[i] == stop[k]
+            self.border[i] = k
+
+    def reread(self, text: str) -> int:
+        """Start over on `text` (only its last `len(stop) - 1` characters matter); returns the new `length`."""
+        self.length = 0
+        return self.feed(text[max(0, len(text) - len(self.stop) + 1):])
+
+    def feed(self, chars: str) -> int:
+        """Read `chars`; returns the new `length`."""
+        stop, border, k = self.stop, self.border, self.length
+        for c in chars:
+            while k and stop[k] != c:
+                k = border[k - 1]
+            k += stop[k] == c
+            if k == len(stop):  # NOTE: a whole stop (the caller cuts the text there): keep its longest border
+                k = border[k - 1]
+        self.length = k
+        return k

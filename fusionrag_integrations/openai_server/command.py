@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.cli import Command, open_index, positive_int
@@ -39,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"largest request body (default: {defaults.max_body_bytes})")
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                         help="longest prompt (default: the model's context window)")
+    parser.add_argument("--shutdown-timeout", type=int, default=defaults.shutdown_timeout_s,
+                        metavar="SECONDS",
+                        help="on SIGTERM or Ctrl-C, how long requests in flight may run on before they are cancelled "
+                             f"(default: {defaults.shutdown_timeout_s})")
     ray = parser.add_argument_group("scale-out on Ray Serve")
     ray.add_argument("--ray", metavar="local|ADDRESS",
                      help="serve --replicas replicas behind one route on Ray Serve: 'local' starts a one-machine "
@@ -56,7 +64,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     global --selector and --ratio as every request's selection."""
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
-                        selector=getattr(args, "selector", None), ratio=getattr(args, "ratio", None))
+                        selector=getattr(args, "selector", None), ratio=getattr(args, "ratio", None),
+                        shutdown_timeout_s=args.shutdown_timeout)
 
 
 def scheduler_limits(args: argparse.Namespace) -> SchedulerConfig:
@@ -123,8 +132,6 @@ def ray_options(args: argparse.Namespace) -> RayServeOptions | None:
 def run(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
     """`fusionrag serve`: build the app and run it under uvicorn until interrupted, or, with --ray,
     its replicas on Ray Serve."""
-    import uvicorn
-
     from fusionrag_integrations.openai_server.app import create_app
 
     config = server_config(args)  # NOTE: checked before the model loads
@@ -138,9 +145,51 @@ def run(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequ
     if config.host != LOOPBACK:
         logger.warning("binding %s: the server is reachable from other machines%s", config.host,
                        "" if config.api_key else " without an API key")
-    app = create_app(session_for(args, engine().with_limits(limits)), config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info")
+    serve_until_stopped(create_app(session_for(args, engine().with_limits(limits)), config), config)
     return 0
+
+
+def serve_until_stopped(app: Callable[..., Any], config: ServerConfig) -> None:
+    """Run `app` under uvicorn until SIGTERM or Ctrl-C; the requests still in flight
+    `config.shutdown_timeout_s` later are cancelled (their streams end and, at the engine's next
+    step, their slots free; the engine's loop thread is a daemon and keeps no process alive).
+
+    A SIGTERM returns here, so that the command ends through its cleanup (the corpus closed) and
+    exits 0: uvicorn raises the signal that stopped it again once it has shut down, which would
+    otherwise kill the process on the way out. Ctrl-C still ends as KeyboardInterrupt.
+    """
+    import uvicorn
+
+    stoppable = threading.current_thread() is threading.main_thread()  # NOTE: signals are the main thread's
+    previous = signal.signal(signal.SIGTERM, _terminated) if stoppable else None
+    quiet = _CancelledAtShutdown()
+    logging.getLogger("uvicorn.error").addFilter(quiet)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level="info",
+                    timeout_graceful_shutdown=config.shutdown_timeout_s)
+    except _TerminatedError:
+        pass  # NOTE: uvicorn has shut down (or had not started listening for the signal yet)
+    finally:
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _TerminatedError(BaseException):
+    """SIGTERM, outside uvicorn's own handling of it; a BaseException, as KeyboardInterrupt is, so that
+    no `except Exception` on the way takes it."""
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise _TerminatedError
+
+
+class _CancelledAtShutdown(logging.Filter):
+    """Drops uvicorn's traceback of each request it cancelled at its shutdown deadline: it has said
+    so in one line ("Cancel N running task(s)"), and a request cut off by a shutdown is no fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
 COMMAND = Command(
@@ -156,5 +205,5 @@ COMMAND = Command(
     run=run,
 )
 
-__all__ = ["COMMAND", "add_arguments", "ray_options", "replica_spec", "run", "scheduler_limits", "server_config",
-           "session_for"]
+__all__ = ["COMMAND", "add_arguments", "ray_options", "replica_spec", "run", "scheduler_limits", "serve_until_stopped",
+           "server_config", "session_for"]

@@ -32,9 +32,12 @@ class ServerConfig:
         selector: which chunk tokens every request recomputes (`query.select.SELECTORS`); None:
             the engine's configured default.
         ratio: fraction of reused chunk tokens every request recomputes; None: the engine's default.
+        shutdown_timeout_s: once told to stop (SIGTERM, Ctrl-C), how long the requests in flight may
+            run on; then they are cancelled (their streams end, their slots free) and the server exits.
 
     Raises:
-        InvalidRequestError: a limit below 1, or a timeout that is not a positive number.
+        InvalidRequestError: a limit below 1, a body-read timeout that is not a positive number, or a
+            negative shutdown timeout.
     """
 
     host: str = LOOPBACK
@@ -46,6 +49,7 @@ class ServerConfig:
     default_max_tokens: int = 256
     selector: str | None = None
     ratio: float | None = None
+    shutdown_timeout_s: int = 15
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "default_max_tokens"):
@@ -57,6 +61,8 @@ class ServerConfig:
             raise InvalidRequestError(f"body_read_timeout_s must be a positive number of seconds, got "
                                       f"{self.body_read_timeout_s}")
         RequestOptions(selector=self.selector, ratio=self.ratio)  # NOTE: the core's checks, at construction
+        if self.shutdown_timeout_s < 0:
+            raise InvalidRequestError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"port must be in 0..65535, got {self.port}")
 
