@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -37,10 +39,11 @@ EXIT_MARGIN_S = 15.0
 class Server:
     """`fusionrag serve` in a subprocess; its stderr (uvicorn's log) is kept in `log`."""
 
-    def __init__(self, tokenizer_path: Path, db: Path, *worker: str, shutdown_timeout_s: int) -> None:
+    def __init__(self, tokenizer_path: Path, db: Path, *worker: str, shutdown_timeout_s: int,
+                 serve: tuple[str, ...] = ()) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.serve_worker", "--tokenizer", str(tokenizer_path), *worker, "--",
-             "--db", str(db), "serve", "--port", "0", "--shutdown-timeout", str(shutdown_timeout_s)],
+             "--db", str(db), "serve", "--port", "0", "--shutdown-timeout", str(shutdown_timeout_s), *serve],
             cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
         self.ended: list[dict[str, Any]] = []  # NOTE: the worker's lines once the command returned
@@ -141,8 +144,8 @@ class Stream:
 
 
 def _start(servers: list[Server], tokenizer_path: Path, tmp_path: Path, *worker: str,
-           shutdown_timeout_s: int) -> Server:
-    server = Server(tokenizer_path, tmp_path / "db", *worker, shutdown_timeout_s=shutdown_timeout_s)
+           shutdown_timeout_s: int, serve: tuple[str, ...] = ()) -> Server:
+    server = Server(tokenizer_path, tmp_path / "db", *worker, shutdown_timeout_s=shutdown_timeout_s, serve=serve)
     servers.append(server)
     return server
 
@@ -170,10 +173,30 @@ def test_sigterm_cancels_a_long_stream_within_the_shutdown_timeout(
         assert server.load_left == {"running": 0, "waiting": 0, "kv_bytes": 0}, "the cancelled request kept its slot"
 
 
-def test_sigterm_lets_a_request_that_ends_within_the_timeout_finish(
+def _closed_within(url: str, sent: bytes, seconds: float) -> bytes:
+    """What the server answered on a raw connection that sent `sent` and then nothing, once it
+    closed it; fails if it is still open after `seconds`."""
+    parts = urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    answer = b""
+    with socket.create_connection((parts.hostname, parts.port), timeout=seconds) as sock:
+        sock.sendall(sent)
+        while chunk := sock.recv(4096):
+            answer += chunk
+    return answer
+
+
+def test_slow_clients_are_cut_off_and_a_request_that_ends_within_the_timeout_finishes(
     servers: list[Server], tokenizer_path: Path, tmp_path: Path
 ) -> None:
-    server = _start(servers, tokenizer_path, tmp_path, "--step-s", "0.05", shutdown_timeout_s=60)
+    """`fusionrag serve --header-timeout/--body-timeout` bound a client that never finishes its
+    headers or its body (one server process for both checks and the shutdown's)."""
+    server = _start(servers, tokenizer_path, tmp_path, "--step-s", "0.05", shutdown_timeout_s=60,
+                    serve=("--header-timeout", "1", "--body-timeout", "1"))
+    assert _closed_within(server.url, b"POST /v1/chat/comp", 10) == b""
+    cut = _closed_within(server.url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{", 10)
+    assert cut.startswith(b"HTTP/1.1 408"), cut
     stream = Stream(server.url, max_tokens=30)  # NOTE: 1.5 s of decoding
     stream.wait_for_tokens(2)
     code, took = server.stop()
@@ -184,8 +207,13 @@ def test_sigterm_lets_a_request_that_ends_within_the_timeout_finish(
     assert server.load_left == {"running": 0, "waiting": 0, "kv_bytes": 0}
 
 
-def test_the_shutdown_timeout_is_a_server_option() -> None:
+def test_the_read_and_shutdown_timeouts_are_server_options() -> None:
     parser = build_parser(plugins=[serve_command.COMMAND])
+    config = serve_command.server_config(parser.parse_args(["serve", "--header-timeout", "2.5", "--body-timeout", "4"]))
+    assert (config.header_read_timeout_s, config.body_read_timeout_s) == (2.5, 4.0)
+    for flag in ("--header-timeout", "--body-timeout"):
+        with pytest.raises(InvalidRequestError, match="read_timeout_s must be a positive number"):
+            serve_command.server_config(parser.parse_args(["serve", flag, "0"]))
     assert serve_command.server_config(parser.parse_args(["serve", "--shutdown-timeout", "3"])).shutdown_timeout_s == 3
     with pytest.raises(InvalidRequestError, match="shutdown_timeout_s"):
         serve_command.server_config(parser.parse_args(["serve", "--shutdown-timeout", "-1"]))

@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"largest request body (default: {defaults.max_body_bytes})")
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                         help="longest prompt (default: the model's context window)")
+    parser.add_argument("--header-timeout", type=float, default=defaults.header_read_timeout_s, metavar="SECONDS",
+                        help="a connection's time to send a request's headers before it is closed "
+                             f"(default: {defaults.header_read_timeout_s:g})")
+    parser.add_argument("--body-timeout", type=float, default=defaults.body_read_timeout_s, metavar="SECONDS",
+                        help="a request's time to send its body once its headers are in, else 408 "
+                             f"(default: {defaults.body_read_timeout_s:g})")
     parser.add_argument("--shutdown-timeout", type=int, default=defaults.shutdown_timeout_s,
                         metavar="SECONDS",
                         help="on SIGTERM or Ctrl-C, how long requests in flight may run on before they are cancelled "
@@ -65,6 +71,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         selector=getattr(args, "selector", None), ratio=getattr(args, "ratio", None),
+                        header_read_timeout_s=args.header_timeout, body_read_timeout_s=args.body_timeout,
                         shutdown_timeout_s=args.shutdown_timeout)
 
 
@@ -160,13 +167,16 @@ def serve_until_stopped(app: Callable[..., Any], config: ServerConfig) -> None:
     """
     import uvicorn
 
+    from fusionrag_integrations.openai_server.connections import http_protocol
+
     stoppable = threading.current_thread() is threading.main_thread()  # NOTE: signals are the main thread's
     previous = signal.signal(signal.SIGTERM, _terminated) if stoppable else None
     quiet = _CancelledAtShutdown()
     logging.getLogger("uvicorn.error").addFilter(quiet)
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level="info",
-                    timeout_graceful_shutdown=config.shutdown_timeout_s)
+                    timeout_graceful_shutdown=config.shutdown_timeout_s,
+                    http=http_protocol(config.header_read_timeout_s))
     except _TerminatedError:
         pass  # NOTE: uvicorn has shut down (or had not started listening for the signal yet)
     finally:

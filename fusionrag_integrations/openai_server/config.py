@@ -25,6 +25,8 @@ class ServerConfig:
         port: TCP port.
         api_key: None: no authentication; else every /v1 request needs `Authorization: Bearer <key>`.
         max_body_bytes: largest request body; larger ones are answered 413.
+        header_read_timeout_s: seconds a connection has, from its start or its previous answer,
+            to send a request's whole headers; a slower one is closed (uvicorn runs no timer there).
         body_read_timeout_s: seconds a client has, once its headers are in, to send its whole
             request body; a slower one is answered 408 and its connection closed.
         max_prompt_tokens: longest prompt; None: the model's context window (less the answer's budget).
@@ -36,7 +38,7 @@ class ServerConfig:
             run on; then they are cancelled (their streams end, their slots free) and the server exits.
 
     Raises:
-        InvalidRequestError: a limit below 1, a body-read timeout that is not a positive number, or a
+        InvalidRequestError: a limit below 1, a read timeout that is not a positive number, or a
             negative shutdown timeout.
     """
 
@@ -44,6 +46,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
+    header_read_timeout_s: float = 30.0
     body_read_timeout_s: float = 30.0
     max_prompt_tokens: int | None = None
     default_max_tokens: int = 256
@@ -57,9 +60,9 @@ class ServerConfig:
                 raise InvalidRequestError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise InvalidRequestError(f"max_prompt_tokens must be at least 1, got {self.max_prompt_tokens}")
-        if not 0 < self.body_read_timeout_s < math.inf:
-            raise InvalidRequestError(f"body_read_timeout_s must be a positive number of seconds, got "
-                                      f"{self.body_read_timeout_s}")
+        for name in ("header_read_timeout_s", "body_read_timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise InvalidRequestError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         RequestOptions(selector=self.selector, ratio=self.ratio)  # NOTE: the core's checks, at construction
         if self.shutdown_timeout_s < 0:
             raise InvalidRequestError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
