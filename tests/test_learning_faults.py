@@ -17,6 +17,7 @@ A 2-layer random Llama over the real SmolLM2 tokenizer; another seed is "another
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -139,7 +140,7 @@ def test_a_full_index_database_leaves_no_blob_without_its_rows(
     learned = LearnedCaches(tmp_path / "learned", engine.fingerprint)
     sources = ReuseSources(None, learned)
 
-    def full(self: ContentIndex, entries: Any) -> int:
+    def full(self: ContentIndex, entries: Any, **kwargs: Any) -> int:
         raise sqlite3.OperationalError("database or disk is full")
 
     monkeypatch.setattr(ContentIndex, "add", full)
@@ -150,6 +151,34 @@ def test_a_full_index_database_leaves_no_blob_without_its_rows(
     warnings = _warnings(caplog)
     assert len(warnings) == 1 and "database or disk is full" in warnings[0], warnings
     assert len(learned) == 0 and learned.store.list_ids() == set()
+
+
+def test_a_content_index_at_its_page_limit_leaves_no_learned_blob_without_its_rows(
+        engine: FusionEngine, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # NOTE: SQLite's own SQLITE_FULL, the error a full disk gives: the index's open connection is
+    # capped at its pages (until it reconnects) and filled with rows of no chunk. The index skipped
+    # the learned row with a warning of its own and the blob stayed: a cache no prompt could find.
+    learned = LearnedCaches(tmp_path / "learned", engine.fingerprint)
+    sources = ReuseSources(None, learned)
+    junk: set[str] = set()
+    with learned.index._lock:
+        db = learned.index._connection()
+        db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
+        for size in (1000, 100, 10, 1):
+            with contextlib.suppress(sqlite3.OperationalError):
+                while True:
+                    with db:
+                        db.execute("INSERT INTO anchors VALUES (?, ?, 0, 0, 0, 0)",
+                                   (len(junk), "j" * size + str(len(junk))))
+                    junk.add("j" * size + str(len(junk)))
+    with caplog.at_level(logging.WARNING):
+        prompt = sources.prompt(engine, MESSAGES, documents=TEXTS)
+        engine.generate(prompt, store=sources, learn=learned.learn, sampling=SAMPLING)
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and "database or disk is full" in warnings[0], warnings
+    with learned._lock:
+        rows = {c for (c,) in learned._db.execute("SELECT chunk_id FROM learned")}
+    assert learned.store.list_ids() == rows == learned.index.chunk_ids() - junk
 
 
 def _retriever_chain(chat: ChatFusionRAG) -> Any:

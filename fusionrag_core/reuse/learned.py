@@ -173,7 +173,7 @@ class LearnedCaches:
         self.store.put(chunk_id, kv)  # NOTE: atomic: a failed put leaves no file (`DiskKVStore.put`)
         try:
             nbytes = self.store.path_for(chunk_id, kv.variant).stat().st_size
-            self.index.add([(chunk_id, text)])
+            self.index.add([(chunk_id, text)], strict=True)  # NOTE: a blob no prompt can find is not kept
             with self._lock, self._db:
                 self._db.execute("INSERT OR REPLACE INTO learned VALUES (?, ?, ?, ?)",
                                  (chunk_id, nbytes, time.time(), json.dumps(list(neighbours))))
