@@ -33,6 +33,8 @@ from langchain_core.vectorstores import InMemoryVectorStore
 from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.engine import FusionEngine
+from fusionrag_core.errors import InsufficientSpaceError
+from fusionrag_core.index import FusionIndex, IngestConfig
 from fusionrag_core.reuse import learned as learned_module
 from fusionrag_core.reuse.learned import LearnedCaches
 from fusionrag_integrations.langchain import ChatFusionRAG
@@ -147,3 +149,63 @@ def test_a_disk_that_fills_while_learning_costs_no_answer_and_leaves_no_cache_wi
     chain.invoke(QUESTION)
     assert len(learned) == 4
     _consistent(learned)
+
+
+# ---- ingest onto a full disk ---------------------------------------------------------------------------
+CORPUS = [f"{text} Copy {i}." for i in range(10) for text in TEXTS]
+"""40 documents: ~0.9 MB of caches of the tiny model, which a 2 MB tmpfs holds beside Chroma's files."""
+
+
+def _open_index(engine: FusionEngine, data_dir: Path) -> FusionIndex:
+    return FusionIndex.open(engine, data_dir, collection_name="docs",
+                            config=IngestConfig(chunk_tokens=48, neighbours=2))
+
+
+def _leave_room(filler: Path, room: int) -> None:
+    with open(filler, "r+b") as f:
+        f.truncate(max(0, filler.stat().st_size - room))
+
+
+def _no_entry_without_its_caches(index: FusionIndex) -> None:
+    report = index.verify(repair=False)  # NOTE: takes the writer lock: on a full disk too
+    assert report.missing == report.corrupt == report.mismatched == 0, report
+    assert [p for p in (index.data_dir or Path()).rglob("*.tmp")] == []
+
+
+@pytest.mark.parametrize("room", [0, 1_000_000, 1_400_000], ids=["no-room", "room-for-blobs", "room-for-some"])
+def test_an_ingest_onto_a_full_disk_stops_with_a_clear_error_and_resumes_once_freed(
+        engine: FusionEngine, disk: Path, room: int) -> None:
+    # NOTE: with no room the writer lock's holder record cannot be written; with room for the blobs
+    # Chroma's own database fills; with room for some, a blob write meets ENOSPC.
+    index = _open_index(engine, disk)
+    try:
+        filler = fill(disk)
+        _leave_room(filler, room)
+        with pytest.raises(InsufficientSpaceError, match="full") as stopped:
+            index.add_texts(CORPUS, space_check=False)  # NOTE: a disk can fill past the check (other writers)
+        assert str(disk) in str(stopped.value) and "again" in str(stopped.value), stopped.value
+        _no_entry_without_its_caches(index)
+        index.close()
+        filler.unlink()
+        index = _open_index(engine, disk)
+        report = index.add_texts(CORPUS)
+        assert len(index) == len(report.doc_ids) == len(CORPUS)
+        assert index.verify(repair=False).ok
+    finally:
+        index.close()
+
+
+def test_an_index_opened_on_a_full_disk_is_refused_with_a_clear_error_and_opens_once_freed(
+        engine: FusionEngine, disk: Path) -> None:
+    filler = fill(disk)
+    with pytest.raises(InsufficientSpaceError, match="full") as refused:
+        _open_index(engine, disk)
+    assert str(disk) in str(refused.value), refused.value
+    assert [p for p in files_under(disk) if p.suffix == ".tmp"] == []
+    filler.unlink()
+    index = _open_index(engine, disk)
+    try:
+        index.add_texts(CORPUS[:4])
+        assert len(index) == 4
+    finally:
+        index.close()
