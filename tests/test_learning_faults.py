@@ -44,10 +44,12 @@ from fusionrag_core.recognise.content_index import ContentIndex
 from fusionrag_core.reuse.learned import LearnConfig, LearnedCaches
 from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_core.store import DiskKVStore
+from fusionrag_core.store.redis import RedisKVStore
 from fusionrag_integrations.langchain import ChatFusionRAG
 from fusionrag_integrations.llama_index import FusionRAGLLM
 from tests.ingest_worker import tiny_engine
 from tests.lighthouse import QUESTION, TEXTS
+from tests.servers import running_redis_server
 
 SAMPLING = SamplingConfig(max_new_tokens=3)
 COLLECTION = "docs"
@@ -246,6 +248,43 @@ def test_another_models_store_is_refused_at_construction_in_both_frameworks(engi
             make()
         assert engine.fingerprint[:12] in str(refused.value) and "data_dir" in str(refused.value)
     assert not (theirs / "learned").exists()
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with running_redis_server() as url:
+        yield url
+
+
+def _redis_namespace(engine: FusionEngine, data_dir: Path, redis_url: str) -> str:
+    """The namespace of a corpus `engine` ingested into Redis."""
+    index = FusionIndex.open(engine, data_dir, redis_url=redis_url, collection_name=COLLECTION,
+                             config=IngestConfig(chunk_tokens=48, neighbours=2))
+    try:
+        index.add_texts(TEXTS)
+        store = index.store.backend
+        assert isinstance(store, RedisKVStore)
+        return store.namespace
+    finally:
+        index.close()
+
+
+def test_another_models_redis_store_is_refused_at_construction_as_a_disk_store_is(
+        engine: FusionEngine, other: FusionEngine, redis_url: str, tmp_path: Path) -> None:
+    theirs = RedisKVStore(redis_url, namespace=_redis_namespace(other, tmp_path / "theirs", redis_url))
+    makes = [
+        lambda: ChatFusionRAG(engine=engine, store=theirs),
+        lambda: FusionRAGLLM(engine=engine, kv_store=theirs),
+    ]
+    for make in makes:
+        with pytest.raises(CacheMismatchError, match="another model") as refused:
+            make()
+        assert engine.fingerprint[:12] in str(refused.value) and "data_dir" in str(refused.value)
+    assert theirs.stored_fingerprints() == {other.fingerprint}
+    ours = RedisKVStore(redis_url, namespace=_redis_namespace(engine, tmp_path / "ours", redis_url))
+    assert ours.stored_fingerprints() == {engine.fingerprint}
+    ChatFusionRAG(engine=engine, store=ours)  # NOTE: this model's caches are accepted
+    assert RedisKVStore(redis_url, namespace="empty").stored_fingerprints() == set()
 
 
 def test_a_lazily_loaded_model_refuses_another_models_store_at_its_first_request(
