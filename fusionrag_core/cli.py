@@ -448,7 +448,7 @@ def collect_files(paths: Sequence[str], *, strict: bool = False) -> list[Path]:
     for raw in paths:
         path = Path(raw).expanduser()
         if path.is_dir():
-            for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            for f in _files_under(path, strict=strict):
                 suffix = f.suffix.lower()
                 if suffix == PDF_SUFFIX and not _pdf_available():
                     skipped_pdfs += 1
@@ -474,11 +474,25 @@ def collect_files(paths: Sequence[str], *, strict: bool = False) -> list[Path]:
     return unique
 
 
+def _files_under(folder: Path, *, strict: bool) -> list[Path]:
+    """The files under `folder`, recursively (links to folders not followed), sorted. A folder that
+    cannot be listed (its permissions) is skipped with a line on stderr, or refused when `strict`."""
+    unlisted: list[OSError] = []
+    files = [Path(top) / name for top, _, names in os.walk(folder, onerror=unlisted.append) for name in names]
+    for e in unlisted:
+        if strict:
+            raise InvalidRequestError(f"the folder {e.filename} cannot be listed ({e.strerror}); make it readable "
+                                      "to this user, or leave out --strict to skip such folders")
+        print(f"{PROG}: skipping the folder {e.filename}: {e.strerror}", file=sys.stderr)
+    return sorted(f for f in files if f.is_file())
+
+
 class UnreadableDocumentError(InvalidRequestError):
-    """A document file whose text cannot be read: not UTF-8 text, or a PDF pypdf cannot parse.
+    """A document file whose text cannot be read: not UTF-8 text, a PDF pypdf cannot parse, or a file
+    this process may not (or cannot) read.
 
     Attributes:
-        kind: what is wrong, in a few words ("not UTF-8 text", "unreadable PDF").
+        kind: what is wrong, in a few words ("not UTF-8 text", "unreadable PDF", "not readable").
     """
 
     def __init__(self, path: Path, kind: str, detail: str, fix: str) -> None:
@@ -490,16 +504,20 @@ def read_document(path: Path) -> str:
     """The text of a .txt/.md (UTF-8) or .pdf file.
 
     Raises:
-        UnreadableDocumentError: the file is not UTF-8 text, or is a PDF pypdf fails on.
+        UnreadableDocumentError: the file is not UTF-8 text, is a PDF pypdf fails on, or cannot be
+            read (its permissions, an I/O error, gone since it was listed).
         InvalidRequestError: the file is a PDF and pypdf is missing.
     """
-    if path.suffix.lower() == PDF_SUFFIX:
-        return _pdf_text(path)
     try:
+        if path.suffix.lower() == PDF_SUFFIX:
+            return _pdf_text(path)
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise UnreadableDocumentError(path, "not UTF-8 text", f"byte 0x{e.object[e.start]:02x} at offset {e.start}: "
                                       f"{e.reason}", "convert it to UTF-8 to ingest it") from e
+    except OSError as e:
+        raise UnreadableDocumentError(path, "not readable", e.strerror or str(e),
+                                      "make it readable to this user (its permissions, its disk) to ingest it") from e
 
 
 def read_documents(files: Sequence[Path], *, strict: bool = False) -> tuple[list[tuple[Path, str]], dict[str, int]]:

@@ -43,7 +43,7 @@ class CorpusLockedError(FusionRAGError):
 
 
 class InsufficientSpaceError(FusionRAGError):
-    """An ingest's projected caches do not fit the KV store's free space."""
+    """An ingest's projected caches do not fit the KV store's free space, or its disk filled while it wrote."""
 
 
 class DatabaseInUseError(FusionRAGError):

@@ -32,6 +32,7 @@ from fusionrag_core.ingest.corpus import corpus_id_of, legacy_warning, store_nam
 from fusionrag_core.ingest.ingestor import Ingestor, IngestReport, VerifyReport, checked_doc_ids, owners_of
 from fusionrag_core.ingest.lock import JOURNAL_VERSION, WriterLock, writing
 from fusionrag_core.ingest.records import CHUNK_INDEX_KEY
+from fusionrag_core.ingest.space import stopped_when_full
 from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_dir, kv_dir
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
@@ -142,25 +143,27 @@ class FusionIndex:
 
         Raises:
             CacheMismatchError / InvalidRequestError / DatabaseInUseError: as `FusionIndex(...)`.
+            InsufficientSpaceError: the disk under `data_dir` is full.
             FusionRAGError: a server cannot be reached.
         """
         ef = embedding_function if embedding_function is not None else chroma.default_embedding_function()
         vconfig = chroma.VectorDBConfig(path=str(chroma_dir(data_dir)), url=chroma_url, collection=collection_name)
-        database = chroma.open_database(vconfig, wait_s=writer_wait_s)
-        store: KVStore | None = None
-        try:
-            collection = chroma.collection_in(database.client, collection_name, ef, chroma_url or vconfig.path)
-            store = corpus_store(collection, data_dir, redis_url=redis_url, storage_dtype=storage_dtype,
-                                 where=chroma_url or str(Path(data_dir).expanduser()))
-            if tiers is not None:
-                store = tiers.wrap(store, device=engine.device, dtype=engine.decoder.dtype)
-            index = cls(engine, collection, store, config, embedding_function=ef, writer_wait_s=writer_wait_s,
-                        data_dir=data_dir)
-        except BaseException:
-            if store is not None:
-                store.close()
-            database.close()
-            raise
+        with stopped_when_full(Path(data_dir).expanduser(), f"opening the index in {data_dir}", "open it again"):
+            database = chroma.open_database(vconfig, wait_s=writer_wait_s)
+            store: KVStore | None = None
+            try:
+                collection = chroma.collection_in(database.client, collection_name, ef, chroma_url or vconfig.path)
+                store = corpus_store(collection, data_dir, redis_url=redis_url, storage_dtype=storage_dtype,
+                                     where=chroma_url or str(Path(data_dir).expanduser()))
+                if tiers is not None:
+                    store = tiers.wrap(store, device=engine.device, dtype=engine.decoder.dtype)
+                index = cls(engine, collection, store, config, embedding_function=ef, writer_wait_s=writer_wait_s,
+                            data_dir=data_dir)
+            except BaseException:
+                if store is not None:
+                    store.close()
+                database.close()
+                raise
         index._opened = (database, store)
         return index
 
@@ -194,7 +197,9 @@ class FusionIndex:
 
         Raises:
             CorpusLockedError: another writer holds the corpus (after `writer_wait_s`).
-            InsufficientSpaceError: the projected caches do not fit; nothing was written.
+            InsufficientSpaceError: the projected caches do not fit; nothing was written. Or the disk
+                under `data_dir` filled part-way: nothing indexed lacks its caches, and running the
+                call again once there is room resumes it.
             InvalidRequestError: bad texts, doc ids or metadata; nothing was written.
         """
         with self._writing("ingest") as lock:
@@ -219,7 +224,13 @@ class FusionIndex:
         self._check_open()
         alone = chroma.alone(self.collection, action, wait_s=self.writer_wait_s) if chroma_too else (
             contextlib.nullcontext())
-        with alone, writing(self.store, action, wait_s=self.writer_wait_s) as lock:
+        # NOTE: a disk that fills part-way leaves the corpus as a killed run does (blobs before
+        # entries, the journal kept): running the command again finishes it. Embedded Chroma whose
+        # own write failed fails every later call until the database is opened again.
+        full = stopped_when_full(
+            self.data_dir, f"this {action}", "run it again from a new process, or after opening the index again: it "
+            "resumes where it stopped") if self.data_dir is not None else contextlib.nullcontext()
+        with full, alone, writing(self.store, action, wait_s=self.writer_wait_s) as lock:
             yield lock
 
     def document_ids(self) -> set[str]:

@@ -106,13 +106,23 @@ class ReuseSession:
         return self.config.root(self.engine.fingerprint)
 
     def learned(self, *, create: bool = False) -> LearnedCaches | None:
-        """The learned caches; None when learning is off or, unless `create`, none exist yet."""
+        """The learned caches; None when learning is off, unless `create` when none exist yet, or
+        when they cannot be opened (a full disk, a directory that cannot be made: reported once per
+        cause by `skipped`, and tried again at the next request).
+
+        Raises:
+            CacheMismatchError: the directory holds another model's learned caches.
+        """
         if not self.config.learn:
             return None
         root = self.learned_root
         if not create and not (root / "lru.sqlite").exists():
             return None
-        return open_learned(root, self.engine.fingerprint, LearnConfig(max_bytes=self.config.max_bytes))
+        try:
+            return open_learned(root, self.engine.fingerprint, LearnConfig(max_bytes=self.config.max_bytes))
+        except STORAGE_ERRORS as e:
+            self.skipped.report(root, e)
+            return None
 
     def sources(self, options: RequestOptions) -> ReuseSources:
         """Where a request with `options` reads caches: the KV store, then the learned caches.
@@ -185,11 +195,7 @@ class ReuseSession:
     def _learn(self, prompt: FusionPrompt, st: Stitched) -> None:
         # NOTE: the engine calls this once decoding ends, in the request's own thread. Learning is
         # best-effort (`LearnedCaches.learn`): a directory that cannot be made skips it, not the answer.
-        try:
-            learned = self.learned(create=True)
-        except STORAGE_ERRORS as e:
-            self.skipped.report(self.learned_root, e)
-            return
+        learned = self.learned(create=True)
         if learned is not None and any(prompt.segments[i].learn for i, _ in st.missed):
             learned.learn(prompt, st)
 

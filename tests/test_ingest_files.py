@@ -3,8 +3,9 @@
 - A file reached through a symlink is indexed under the path the user named, so `ingest --sync`
   removes it once that name is gone; documents an earlier version stored under resolved paths
   are still matched.
-- A file that is not UTF-8 text is skipped with a message and counted (as empty files are), unless
-  `--strict` is given.
+- A file that is not UTF-8 text, or that the user may not read (a real EACCES: root gives up the
+  capabilities that read any file), is skipped with a message and counted (as empty files are),
+  and a folder it may not list is skipped with a message, unless `--strict` is given.
 - A document with very long lines is chunked in linear time, ordinary documents exactly as before,
   and an ingest that cannot fit is refused on an estimate, before any chunking.
 
@@ -14,8 +15,12 @@ SmolLM2 tokenizer.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,8 @@ from tests.ingest_worker import tiny_engine
 LIGHTHOUSE = "The Lumen lighthouse on the northern cape was designed by the engineer Ada Vell in 1871."
 BIRTH = "Ada Vell was born in the fishing village of Marrow, where her father repaired nets."
 HARBOUR = "The harbour of Marrow freezes over in hard winters, and the boats are hauled onto the shingle."
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -177,6 +184,72 @@ def test_strict_refuses_a_file_it_would_skip(
                     engine_factory=engines) == 2
     _one_line_error(capsys.readouterr().err, str(mixed / "empty.md"), "no text", "--strict")
     assert loads == [], "refused before loading a model"
+
+
+# ---- files this process may not read ----------------------------------------------------------------
+# `fusionrag ARGS...` with the tiny engine: argv[1] the tokenizer directory.
+CLI = """
+import sys
+from fusionrag_core import cli
+from tests.ingest_worker import tiny_engine_at
+sys.exit(cli.main(sys.argv[2:], engine_factory=lambda spec: tiny_engine_at(sys.argv[1])))
+"""
+_PR_CAPBSET_DROP = 24
+_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH = 1, 2
+
+
+def _as_root_without_read_override() -> None:
+    """In the child, before exec: drop the capabilities that let root read any file from the bounding
+    set, so the command run has neither and a mode-000 file denies it as it denies any user (EACCES)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH):
+        if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def _fusionrag_denied(tokenizer_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """`fusionrag ARGS...` in a process for which a mode-000 file is unreadable (root gives up the
+    capabilities that would read it anyway)."""
+    try:
+        return subprocess.run([sys.executable, "-c", CLI, str(tokenizer_path), *argv], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=300,
+                              preexec_fn=_as_root_without_read_override if os.geteuid() == 0 else None)
+    except subprocess.SubprocessError as e:
+        pytest.skip(f"cannot drop root's file-read capabilities here ({e})")
+
+
+@pytest.fixture
+def locked(tmp_path: Path) -> Iterator[Path]:
+    """A folder with one good file, one this process's commands may not read and a subfolder they may
+    not list (mode 000)."""
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    (folder / "good.md").write_text(LIGHTHOUSE)
+    (folder / "secret.md").write_text(BIRTH)
+    (folder / "secret.md").chmod(0)
+    (folder / "private").mkdir()
+    (folder / "private" / "notes.md").write_text(HARBOUR)
+    (folder / "private").chmod(0)
+    yield folder
+    (folder / "secret.md").chmod(0o644)
+    (folder / "private").chmod(0o755)
+
+
+def test_a_file_that_cannot_be_read_is_skipped_and_counted(tokenizer_path: Path, tmp_path: Path,
+                                                           locked: Path) -> None:
+    """Pins the defect: one unreadable file (EACCES) ended the whole folder's ingest."""
+    db = ["--db", str(tmp_path / "db")]
+    run = _fusionrag_denied(tokenizer_path, *db, "ingest", "--quiet", "--chunk-tokens", "64", str(locked))
+    assert run.returncode == 0, run.stderr[-3000:]
+    (line,) = [x for x in run.stderr.splitlines() if "secret.md" in x]
+    assert line.startswith(f"fusionrag: skipping {locked / 'secret.md'}: not readable (Permission denied)"), line
+    assert "ingested 1 document(s)" in run.stdout and "skipped 1 file(s) (1 not readable)" in run.stdout, run.stdout
+    (line,) = [x for x in run.stderr.splitlines() if "private" in x]  # NOTE: a folder it may not list
+    assert line.startswith(f"fusionrag: skipping the folder {locked / 'private'}: Permission denied"), line
+    for named, refused in ((locked / "secret.md", "Permission denied"), (locked, "private cannot be listed")):
+        strict = _fusionrag_denied(tokenizer_path, *db, "ingest", "--strict", str(named))
+        assert strict.returncode == 2, strict.stderr[-3000:]
+        assert "--strict" in strict.stderr and refused in strict.stderr, strict.stderr
 
 
 # ---- chunking in linear time ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ A 2-layer random Llama over the real SmolLM2 tokenizer; another seed is "another
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -43,10 +44,12 @@ from fusionrag_core.recognise.content_index import ContentIndex
 from fusionrag_core.reuse.learned import LearnConfig, LearnedCaches
 from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_core.store import DiskKVStore
+from fusionrag_core.store.redis import RedisKVStore
 from fusionrag_integrations.langchain import ChatFusionRAG
 from fusionrag_integrations.llama_index import FusionRAGLLM
 from tests.ingest_worker import tiny_engine
 from tests.lighthouse import QUESTION, TEXTS
+from tests.servers import running_redis_server
 
 SAMPLING = SamplingConfig(max_new_tokens=3)
 COLLECTION = "docs"
@@ -139,7 +142,7 @@ def test_a_full_index_database_leaves_no_blob_without_its_rows(
     learned = LearnedCaches(tmp_path / "learned", engine.fingerprint)
     sources = ReuseSources(None, learned)
 
-    def full(self: ContentIndex, entries: Any) -> int:
+    def full(self: ContentIndex, entries: Any, **kwargs: Any) -> int:
         raise sqlite3.OperationalError("database or disk is full")
 
     monkeypatch.setattr(ContentIndex, "add", full)
@@ -150,6 +153,34 @@ def test_a_full_index_database_leaves_no_blob_without_its_rows(
     warnings = _warnings(caplog)
     assert len(warnings) == 1 and "database or disk is full" in warnings[0], warnings
     assert len(learned) == 0 and learned.store.list_ids() == set()
+
+
+def test_a_content_index_at_its_page_limit_leaves_no_learned_blob_without_its_rows(
+        engine: FusionEngine, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # NOTE: SQLite's own SQLITE_FULL, the error a full disk gives: the index's open connection is
+    # capped at its pages (until it reconnects) and filled with rows of no chunk. The index skipped
+    # the learned row with a warning of its own and the blob stayed: a cache no prompt could find.
+    learned = LearnedCaches(tmp_path / "learned", engine.fingerprint)
+    sources = ReuseSources(None, learned)
+    junk: set[str] = set()
+    with learned.index._lock:
+        db = learned.index._connection()
+        db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
+        for size in (1000, 100, 10, 1):
+            with contextlib.suppress(sqlite3.OperationalError):
+                while True:
+                    with db:
+                        db.execute("INSERT INTO anchors VALUES (?, ?, 0, 0, 0, 0)",
+                                   (len(junk), "j" * size + str(len(junk))))
+                    junk.add("j" * size + str(len(junk)))
+    with caplog.at_level(logging.WARNING):
+        prompt = sources.prompt(engine, MESSAGES, documents=TEXTS)
+        engine.generate(prompt, store=sources, learn=learned.learn, sampling=SAMPLING)
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and "database or disk is full" in warnings[0], warnings
+    with learned._lock:
+        rows = {c for (c,) in learned._db.execute("SELECT chunk_id FROM learned")}
+    assert learned.store.list_ids() == rows == learned.index.chunk_ids() - junk
 
 
 def _retriever_chain(chat: ChatFusionRAG) -> Any:
@@ -217,6 +248,43 @@ def test_another_models_store_is_refused_at_construction_in_both_frameworks(engi
             make()
         assert engine.fingerprint[:12] in str(refused.value) and "data_dir" in str(refused.value)
     assert not (theirs / "learned").exists()
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with running_redis_server() as url:
+        yield url
+
+
+def _redis_namespace(engine: FusionEngine, data_dir: Path, redis_url: str) -> str:
+    """The namespace of a corpus `engine` ingested into Redis."""
+    index = FusionIndex.open(engine, data_dir, redis_url=redis_url, collection_name=COLLECTION,
+                             config=IngestConfig(chunk_tokens=48, neighbours=2))
+    try:
+        index.add_texts(TEXTS)
+        store = index.store.backend
+        assert isinstance(store, RedisKVStore)
+        return store.namespace
+    finally:
+        index.close()
+
+
+def test_another_models_redis_store_is_refused_at_construction_as_a_disk_store_is(
+        engine: FusionEngine, other: FusionEngine, redis_url: str, tmp_path: Path) -> None:
+    theirs = RedisKVStore(redis_url, namespace=_redis_namespace(other, tmp_path / "theirs", redis_url))
+    makes = [
+        lambda: ChatFusionRAG(engine=engine, store=theirs),
+        lambda: FusionRAGLLM(engine=engine, kv_store=theirs),
+    ]
+    for make in makes:
+        with pytest.raises(CacheMismatchError, match="another model") as refused:
+            make()
+        assert engine.fingerprint[:12] in str(refused.value) and "data_dir" in str(refused.value)
+    assert theirs.stored_fingerprints() == {other.fingerprint}
+    ours = RedisKVStore(redis_url, namespace=_redis_namespace(engine, tmp_path / "ours", redis_url))
+    assert ours.stored_fingerprints() == {engine.fingerprint}
+    ChatFusionRAG(engine=engine, store=ours)  # NOTE: this model's caches are accepted
+    assert RedisKVStore(redis_url, namespace="empty").stored_fingerprints() == set()
 
 
 def test_a_lazily_loaded_model_refuses_another_models_store_at_its_first_request(

@@ -17,10 +17,11 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from langchain_core.embeddings import DeterministicFakeEmbedding
 from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core import errors
@@ -30,6 +31,7 @@ from fusionrag_core.ingest import chroma, claim
 from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_core.paths import chroma_dir
 from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_integrations.langchain import FusionRAGVectorStore
 from tests.ingest_worker import tiny_engine
 from tests.lighthouse import QUESTION, TEXTS
 from tests.servers import running_chroma_server
@@ -311,3 +313,62 @@ def test_processes_share_a_corpus_through_a_chroma_server(
         assert deleted.returncode == 0, deleted.stderr[-3000:]
         assert {h.text for h in index.search(QUESTION, 10)} == {TEXTS[0]} and len(index) == 1
         assert not (chroma_dir(db) / claim.CLAIM_FILE).exists()
+
+
+# Claims the directory argv[1] as opening an index does (no waiting), says whether it could, and lets go.
+TRY_TO_OPEN = """
+import sys
+from fusionrag_core.errors import DatabaseInUseError
+from fusionrag_core.ingest import claim
+try:
+    claim.claim(sys.argv[1]).release()
+    print("open", flush=True)
+except DatabaseInUseError:
+    print("refused", flush=True)
+"""
+
+
+def _vector_store(engine: FusionEngine, db: Path) -> FusionRAGVectorStore:
+    store = FusionRAGVectorStore(collection_name="corpus", persist_directory=chroma_dir(db), engine=engine,
+                                 config=CONFIG, embedding_function=DeterministicFakeEmbedding(size=8),
+                                 writer_wait_s=0.0)  # NOTE: the default waits for the other processes
+    store.add_texts(TEXTS[:2], ids=["a", "b"])
+    return store
+
+
+def test_a_langchain_delete_collection_is_refused_while_another_process_has_the_database_open(
+    engine: FusionEngine, tokenizer_path: Path, tmp_path: Path, holders: list[Holder]
+) -> None:
+    db = tmp_path / "db"
+    store = _vector_store(engine, db)
+    FusionIndex.open(engine, db, config=CONFIG).close()  # NOTE: the collection the holder serves
+    holder = Holder(tokenizer_path, db)
+    holders.append(holder)
+    holder.wait_for("open")
+    with pytest.raises(errors.DatabaseInUseError, match=f"pid {holder.pid}"):
+        store.delete_collection()
+    assert store.index.document_ids() == {"a", "b"}, "refused before anything changed"
+    holder.stop()
+    store.delete_collection()
+    with pytest.raises(errors.InvalidRequestError, match="reset_collection"):
+        store.similarity_search(TEXTS[0])
+
+
+def test_a_langchain_delete_collection_keeps_the_database_to_itself_until_the_collection_is_gone(
+    engine: FusionEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE: the documents were deleted alone, then the collection dropped with the door open: a real
+    # process that tried to open the database right between the two got in.
+    db = tmp_path / "db"
+    store = _vector_store(engine, db)
+    delete, tried = FusionIndex.delete, []
+
+    def delete_then_try_to_open(index: FusionIndex, doc_ids: Sequence[str]) -> int:
+        removed = delete(index, doc_ids)
+        tried.append(_python(TRY_TO_OPEN, str(chroma_dir(db))).stdout.strip())
+        return removed
+
+    monkeypatch.setattr(FusionIndex, "delete", delete_then_try_to_open)
+    store.delete_collection()
+    assert tried == ["refused"]
+    assert _python(TRY_TO_OPEN, str(chroma_dir(db))).stdout.strip() == "open"

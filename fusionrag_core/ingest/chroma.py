@@ -34,9 +34,10 @@ from chromadb.config import Settings
 from chromadb.errors import NotFoundError
 from chromadb.utils.embedding_functions import SentenceTransformerEmbeddingFunction
 
-from fusionrag_core.errors import FusionRAGError, InvalidRequestError, ReadOnlyError
+from fusionrag_core.errors import FusionRAGError, InsufficientSpaceError, InvalidRequestError, ReadOnlyError
 from fusionrag_core.ingest import claim as claims
 from fusionrag_core.ingest.corpus import CORPUS_ID_KEY, corpus_id_of, new_corpus_id
+from fusionrag_core.ingest.space import NEARLY_FULL_BYTES, gb, room
 from fusionrag_core.paths import DEFAULT_COLLECTION, DEFAULT_DATA_DIR, chroma_dir
 
 EMBEDDING_ID = "sentence-transformers/all-MiniLM-L6-v2"
@@ -176,6 +177,7 @@ def persistent_client(path: str | Path, settings: Settings, **scope: str) -> chr
     Raises:
         ReadOnlyError: this process cannot write `path` (or create it): embedded Chroma writes to
             its directory even to read (the message, naming it, says what to do instead).
+        InsufficientSpaceError: the disk under `path` has less than `space.NEARLY_FULL_BYTES` free.
     """
     # NOTE: an absolute path names one database (Chroma caches one system per path string).
     path = Path(path).expanduser().resolve()
@@ -195,6 +197,15 @@ def persistent_client(path: str | Path, settings: Settings, **scope: str) -> chr
             "directory even to read; make it writable, or serve a writable copy with a Chroma server "
             "(`chroma run --path COPY`) and connect to that (host=/port=, --chroma-url): the KV caches may "
             "stay read-only"
+        )
+    free = room(path)
+    if free < NEARLY_FULL_BYTES:
+        # NOTE: checked first, as a read-only directory is: on a full disk Chroma fails to open (SQLite's
+        # "database or disk is full"; a new database fails with an AttributeError), and a failed open
+        # leaves it unable to open that path again in this process.
+        raise InsufficientSpaceError(
+            f"the Chroma database {path} cannot be opened: the disk under it is full ({gb(free)} free), and "
+            "embedded Chroma writes to its directory even to read; free space there (or move the data directory)"
         )
     return chromadb.PersistentClient(path=str(path), settings=settings, **scope)
 

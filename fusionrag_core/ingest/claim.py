@@ -252,18 +252,29 @@ def _publish(held: _Held) -> None:
     folder.mkdir(exist_ok=True)
     staging = folder / f".{held.holder_file.stem}.tmp"
     fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    held.holder_fd = fd
-    _record(held, "open")
-    os.replace(staging, held.holder_file)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        held.holder_fd = fd
+        _record(held, "open")
+        os.replace(staging, held.holder_file)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            staging.unlink()
+        raise
 
 
 def _record(held: _Held, action: str, *, writing: bool = False) -> None:
+    """Write what this process does into its record. Best-effort on a full disk: the record stays
+    empty, and `_live_record` names its holder by the file's name."""
     if held.holder_fd < 0:
         return
     data = json.dumps({**holder_info(action), "writing": writing}).encode()
     os.ftruncate(held.holder_fd, 0)
-    os.pwrite(held.holder_fd, data, 0)
+    try:
+        os.pwrite(held.holder_fd, data, 0)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
 
 
 def _live_record(entry: Path) -> dict[str, Any] | None:

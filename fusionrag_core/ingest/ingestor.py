@@ -87,7 +87,7 @@ from fusionrag_core.ingest.records import (
     ownership,
     record_upgrade,
 )
-from fusionrag_core.ingest.space import check_room, fewest_chunks, fits, project
+from fusionrag_core.ingest.space import Projection, check_room, fewest_chunks, fits, project
 from fusionrag_core.ingest.writer import BlobWriter
 from fusionrag_core.query.drift import fusion_drift
 from fusionrag_core.runtime.kv import ChunkKV, Variant, neighbours_digest
@@ -428,7 +428,12 @@ class Ingestor:
             return
         # NOTE: only when all of them would not fit: the documents already indexed are looked up.
         known = {o for row in self.owned_by(list(docs)).values() for o in owners_of(row.metadata)}
-        self._room_for([tokens[t] for t in {t for doc_id, t in docs.items() if doc_id not in known}], enforce=True)
+        unknown = [tokens[t] for t in {t for doc_id, t in docs.items() if doc_id not in known}]
+        if self._room_for(unknown) or self.store.list_ids() - chroma.all_ids(self.collection):
+            # NOTE: caches no entry indexes yet are a stopped run's (a full disk, a kill), which this
+            # run reuses; only the chunks tell which, so the check after chunking decides.
+            return
+        self._room_for(unknown, enforce=True)
 
     def _room_for(self, document_tokens: Sequence[int], *, enforce: bool = False) -> bool:
         """Whether documents of `document_tokens` tokens have room, by `fewest_chunks` (refused when
@@ -440,15 +445,23 @@ class Ingestor:
         return fits(projection)
 
     def _check_room(self, new: Sequence[PendingChunk], enforce: bool, progress: bool) -> None:
-        """Project the new chunks' caches; refuse (when `enforce`) what the store has no room for."""
+        """Project the new chunks' caches; refuse (when `enforce`) what the store has no room for.
+
+        New chunks whose caches are all stored already (a stopped run wrote them before their
+        entries) are not counted when the whole would not fit: the run resumed reuses them."""
         if not new:
             return
-        counts = [int(self.engine.layout.chunk_ids(c.text).shape[0]) for c in new]
-        projection = project(self.store, self.engine.kv_shape, counts, 2 if self.config.fuse else 1)
+        variants: tuple[Variant, ...] = ("independent", "fused") if self.config.fuse else ("independent",)
+        projection = self._projection(new, len(variants))
         if progress or projection.bytes >= _ANNOUNCE_BYTES:
             tqdm.write(f"fusionrag: projected {projection.describe(repr(self.store))}")
-        if enforce:
-            check_room(projection, repr(self.store))
+        if enforce and not fits(projection):
+            to_write = [c for c in new if not all(self.store.has(c.chunk_id, v) for v in variants)]
+            check_room(self._projection(to_write, len(variants)), repr(self.store))
+
+    def _projection(self, chunks: Sequence[PendingChunk], variants: int) -> Projection:
+        counts = [int(self.engine.layout.chunk_ids(c.text).shape[0]) for c in chunks]
+        return project(self.store, self.engine.kv_shape, counts, variants)
 
     def _cut(
         self,

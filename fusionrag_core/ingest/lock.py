@@ -27,6 +27,7 @@ interrupted delete, or reports an interrupted ingest and keeps the blobs the res
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -53,6 +54,16 @@ def holder_info(action: str) -> dict[str, Any]:
     """Who is writing: recorded in the lock so a blocked writer can say who it waits for."""
     return {"pid": os.getpid(), "host": socket.gethostname(), "action": action,
             "command": " ".join(sys.argv[:4])[:200], "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def _write_holder(fd: int, action: str) -> None:
+    """Write `holder_info` into a lock file. Best-effort on a full disk: the file stays empty, and
+    a writer it blocks is told of "another process" instead of its pid and command."""
+    try:
+        os.write(fd, json.dumps(holder_info(action)).encode())
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
 
 
 class WriterLock(ABC):
@@ -170,8 +181,12 @@ class FileWriterLock(WriterLock):
         except BlockingIOError:
             os.close(fd)
             return False
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(holder_info(self.action)).encode())
+        try:
+            os.ftruncate(fd, 0)
+            _write_holder(fd, self.action)
+        except BaseException:
+            os.close(fd)  # NOTE: else the flock outlives the failed acquire, and this process locks itself out
+            raise
         self._fd = fd
         return True
 
@@ -191,8 +206,13 @@ class FileWriterLock(WriterLock):
                 self._journal.unlink()
             return
         tmp = self._journal.with_name(f"{JOURNAL_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(value)
-        os.replace(tmp, self._journal)
+        try:
+            tmp.write_text(value)
+            os.replace(tmp, self._journal)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
 
     def _read_journal(self) -> str | None:
         with contextlib.suppress(FileNotFoundError):

@@ -8,12 +8,22 @@ prefill, with the numbers and the option to go on anyway.
 Chunking a large file takes minutes, so the check runs twice: before chunking, on an estimate (the
 tokens of the documents new to the collection, in as few chunks as they fit), and after, on the
 new chunks themselves.
+
+The projection counts the caches, not what Chroma and the bookkeeping files add, nor what other
+writers take meanwhile: a write that meets a full disk anyway stops the ingest with the same
+error (`stopped_when_full`); the ingest's write order leaves nothing indexed without its caches,
+and running it again once there is room resumes it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import errno
+import shutil
+import sqlite3
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from fusionrag_core.errors import InsufficientSpaceError
 from fusionrag_core.store.base import KVStore
@@ -47,9 +57,9 @@ class Projection:
     estimated: bool = False
 
     def describe(self, where: str) -> str:
-        free = "unknown free space" if self.free_bytes is None else f"{_gb(self.free_bytes)} free"
+        free = "unknown free space" if self.free_bytes is None else f"{gb(self.free_bytes)} free"
         how = ", estimated before chunking" if self.estimated else ""
-        return (f"~{_gb(self.bytes)} of KV caches ({self.chunks} chunk(s), {self.tokens} tokens, "
+        return (f"~{gb(self.bytes)} of KV caches ({self.chunks} chunk(s), {self.tokens} tokens, "
                 f"{self.variants} variant(s){how}) into {where} ({free})")
 
 
@@ -104,8 +114,64 @@ def check_room(projection: Projection, where: str) -> None:
     )
 
 
-def _gb(n: int) -> str:
+# NOTE: what a write to a full disk raises: an errno, SQLite's SQLITE_FULL as text (Chroma passes
+# it on in its own errors' messages).
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_TEXTS = ("database or disk is full", "No space left on device", "Disk quota exceeded")
+# NOTE: a storage error (Chroma's "Failed to apply logs to the metadata segment", a bare SQLite I/O
+# error) raised while the disk has less room than this is taken for a full disk: the cause is lost
+# inside Chroma's Rust core, the room is not.
+NEARLY_FULL_BYTES = 1 << 18
+
+
+@contextlib.contextmanager
+def stopped_when_full(where: str | Path, what: str, then: str) -> Iterator[None]:
+    """Raise `InsufficientSpaceError` in place of an error a full disk under `where` made in the block.
+
+    Args:
+        where: the directory written (named in the message; its disk's room is checked).
+        what: what stopped, for the message ("this ingest").
+        then: what to do once space is freed, for the message ("run it again: it resumes").
+    """
+    try:
+        yield
+    except InsufficientSpaceError:
+        raise
+    except Exception as e:
+        if not _full_disk(e, Path(where)):
+            raise
+        raise InsufficientSpaceError(
+            f"{what} stopped: the disk under {where} is full ({type(e).__name__}: {e}); free space there "
+            f"(or move the data directory), then {then}"
+        ) from e
+
+
+def _full_disk(error: BaseException, where: Path) -> bool:
+    """Whether `error`, or an error it was raised from, is a full disk's, or a storage error raised
+    while the disk under `where` is (nearly) full."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _FULL_ERRNOS:
+            return True
+        if any(text in str(seen) for text in _FULL_TEXTS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    if not isinstance(error, (OSError, sqlite3.Error)) and not type(error).__module__.startswith("chromadb"):
+        return False
+    return room(where) < NEARLY_FULL_BYTES
+
+
+def room(where: Path) -> int:
+    """Bytes free on the disk of `where` (of its nearest existing ancestor); unknown counts as plenty."""
+    for path in (where, *where.parents):
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(path).free
+    return 1 << 62
+
+
+def gb(n: int) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-__all__ = ["Projection", "check_room", "fewest_chunks", "fits", "project"]
+__all__ = ["NEARLY_FULL_BYTES", "Projection", "check_room", "fewest_chunks", "fits", "gb", "project", "room",
+           "stopped_when_full"]

@@ -83,14 +83,14 @@ CREATE INDEX IF NOT EXISTS learned_by_use ON learned (used);
 
 
 class SkippedLearning:
-    """Warns once per cause (an errno, a SQLite error) that learned caches could not be written."""
+    """Warns once per cause (an errno, a SQLite error) that learned caches could not be opened or written."""
 
     def __init__(self) -> None:
         self._causes: set[str] = set()
         self._lock = threading.Lock()
 
     def report(self, root: Path, error: Exception) -> None:
-        """Log that caches under `root` were not kept because of `error`, unless its cause was logged."""
+        """Log that caches under `root` were not kept (or not read) because of `error`, unless its cause was logged."""
         if isinstance(error, OSError) and error.errno is not None:
             cause = errno.errorcode.get(error.errno, str(error.errno))
         else:
@@ -101,8 +101,9 @@ class SkippedLearning:
             self._causes.add(cause)
         logger.warning(
             "FusionRAG could not keep learned caches in %s (%s: %s); answers are unaffected, but no cache is "
-            "learned while this lasts: free space there, move them (learned_dir=) or turn learning off "
-            "(learn=False) (this warning is shown once per cause)", root, cause, error)
+            "learned (nor read, where the caches could not be opened) while this lasts: free space there, move "
+            "them (learned_dir=) or turn learning off (learn=False) (this warning is shown once per cause)",
+            root, cause, error)
 
 
 class LearnedCaches:
@@ -121,20 +122,25 @@ class LearnedCaches:
         self.root = Path(root).expanduser().resolve()
         self.fingerprint = fingerprint
         self.config = config or LearnConfig()
-        self.store = DiskKVStore(self.root / "kv", storage_dtype=self.config.storage_dtype)
-        found = self.store.stored_fingerprints()
-        if found and fingerprint not in found:
-            raise CacheMismatchError(
-                f"learned caches at {self.root} were learned by another model (fingerprint {min(found)[:12]}), "
-                f"not by this one ({fingerprint[:12]}); give each model its own learned_dir= (the default, "
-                "<data_dir>/learned/<model fingerprint>, is one per model)"
-            )
+        made = _missing_dirs(self.root / "kv")
+        try:
+            self.store = DiskKVStore(self.root / "kv", storage_dtype=self.config.storage_dtype)
+            found = self.store.stored_fingerprints()
+            if found and fingerprint not in found:
+                raise CacheMismatchError(
+                    f"learned caches at {self.root} were learned by another model (fingerprint "
+                    f"{min(found)[:12]}), not by this one ({fingerprint[:12]}); give each model its own "
+                    "learned_dir= (the default, <data_dir>/learned/<model fingerprint>, is one per model)"
+                )
+            # NOTE: the LRU table before the content index: on a full disk the open fails here, before
+            # the index has made (and warned about) a database of its own.
+            self._db = _open_lru(self.root / "lru.sqlite")
+        except BaseException:
+            _remove_empty(made)  # NOTE: a directory a failed open made would make the next request open it
+            raise
         self.skipped = SkippedLearning()
         self.index = ContentIndex(self.root / "content")
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.root / "lru.sqlite", check_same_thread=False, timeout=30.0)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(_SCHEMA)
 
     def learn(self, prompt: FusionPrompt, st: Stitched) -> None:
         """Keep the computed K/V of every learnable chunk of `prompt` that had no cache.
@@ -167,7 +173,7 @@ class LearnedCaches:
         self.store.put(chunk_id, kv)  # NOTE: atomic: a failed put leaves no file (`DiskKVStore.put`)
         try:
             nbytes = self.store.path_for(chunk_id, kv.variant).stat().st_size
-            self.index.add([(chunk_id, text)])
+            self.index.add([(chunk_id, text)], strict=True)  # NOTE: a blob no prompt can find is not kept
             with self._lock, self._db:
                 self._db.execute("INSERT OR REPLACE INTO learned VALUES (?, ?, ?, ?)",
                                  (chunk_id, nbytes, time.time(), json.dumps(list(neighbours))))
@@ -205,10 +211,18 @@ class LearnedCaches:
                 self.store.delete(cid)
 
     def touch(self, chunk_ids: Iterable[str]) -> None:
-        """Mark caches as just used (they are evicted last)."""
+        """Mark caches as just used (they are evicted last).
+
+        Best-effort, as learning is: when the directory cannot take the update (`STORAGE_ERRORS`),
+        the caches keep their older use time, with one warning per cause (`skipped`).
+        """
         now = time.time()
-        with self._lock, self._db:
-            self._db.executemany("UPDATE learned SET used = ? WHERE chunk_id = ?", [(now, c) for c in chunk_ids])
+        try:
+            with self._lock, self._db:
+                self._db.executemany("UPDATE learned SET used = ? WHERE chunk_id = ?",
+                                     [(now, c) for c in chunk_ids])
+        except STORAGE_ERRORS as e:
+            self.skipped.report(self.root, e)
 
     def neighbours(self, chunk_id: str) -> list[str]:
         """The chunk ids that came before this document in the prompt it was learned from."""
@@ -225,6 +239,52 @@ class LearnedCaches:
         """Bytes of learned caches: their blob files' sizes."""
         with self._lock:
             return int(self._db.execute("SELECT coalesce(sum(nbytes), 0) FROM learned").fetchone()[0])
+
+
+    def close(self) -> None:
+        """Close the LRU table and the content index; `open_learned` opens the directory anew after this."""
+        with _open_lock:
+            if _open.get(self.root) is self:
+                del _open[self.root]
+        with self._lock:
+            self._db.close()
+        self.index.close()
+
+
+def _open_lru(path: Path) -> sqlite3.Connection:
+    """The LRU table's database, made if missing. When that fails (a full disk fails SQLite's WAL
+    setup), the connection is closed and a file it made is removed while still empty: an empty file
+    left behind would be opened by every later request."""
+    existed = path.exists()
+    db = sqlite3.connect(path, check_same_thread=False, timeout=30.0)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(_SCHEMA)
+    except BaseException:
+        db.close()
+        if not existed:
+            for made in (path, path.with_name(f"{path.name}-wal"), path.with_name(f"{path.name}-shm")):
+                with contextlib.suppress(OSError):
+                    if made.stat().st_size == 0:  # NOTE: another process's rows are never removed
+                        made.unlink()
+        raise
+    return db
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """`path` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    while not path.exists() and path.parent != path:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_empty(dirs: Sequence[Path]) -> None:
+    """Remove each directory of `dirs` (deepest first) that is empty; one that is not stays."""
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            d.rmdir()
 
 
 _open: dict[Path, LearnedCaches] = {}

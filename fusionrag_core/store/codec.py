@@ -365,6 +365,27 @@ def recorded_fingerprint(path: Path) -> str | None:
     return meta.get("fingerprint") or None
 
 
+def header_bytes(first: bytes) -> int | None:
+    """How many leading bytes of a blob hold its safetensors header, from its first 8 (None: no
+    plausible header): for a store that can read part of a blob (`recorded_fingerprint_in`)."""
+    if len(first) < 8:
+        return None
+    (n,) = struct.unpack("<Q", first[:8])
+    return 8 + n if n <= _MAX_HEADER_BYTES else None
+
+
+def recorded_fingerprint_in(head: bytes) -> str | None:
+    """`recorded_fingerprint` of a blob from its leading bytes (its header: `header_bytes`), unchecked;
+    None when they hold no fusionrag blob's header."""
+    try:
+        meta = _read_header_metadata(head, "a blob's header")
+    except CacheCorruptError:
+        return None
+    if meta.get("format") != FORMAT_NAME:
+        return None
+    return meta.get("fingerprint") or None
+
+
 def _check_format(meta: dict[str, str], source: str) -> None:
     if meta.get("format") != FORMAT_NAME:
         raise _corrupt(source, f"not a fusionrag KV blob (format={meta.get('format')!r})")

@@ -299,17 +299,20 @@ class ContentIndex:
         with self._lock:
             self._close()
 
-    def _using(self, action: Callable[[sqlite3.Connection], _T], otherwise: _T, *, warn: bool = True) -> _T:
+    def _using(self, action: Callable[[sqlite3.Connection], _T], otherwise: _T, *, warn: bool = True,
+               strict: bool = False) -> _T:
         """`action(database)`, lock held, the array followed first (every use needs the whole index);
         when the index cannot be read or written: `otherwise`, with `problem` set and (if `warn`) one
-        warning per problem."""
+        warning per problem; or, if `strict`, the error raised (`problem` set, no warning)."""
         with self._lock:
             try:
                 db = self._connection()
                 self._refresh(db)
                 result = action(db)
             except _UNREADABLE as e:
-                self._unreadable(e, warn=warn)
+                self._unreadable(e, warn=warn and not strict)
+                if strict:
+                    raise
                 return otherwise
             if self.problem is not None:
                 log.info("the content index %s can be used again", self.root)
@@ -326,15 +329,23 @@ class ContentIndex:
                         self.problem, self.fix)
 
     # ---- writing ---------------------------------------------------------------------------------
-    def add(self, entries: Iterable[tuple[str, str]]) -> int:
+    def add(self, entries: Iterable[tuple[str, str]], *, strict: bool = False) -> int:
         """Index `(chunk_id, text)` pairs (a chunk id already indexed is replaced); returns how many
-        were blank (not indexed)."""
+        were blank (not indexed).
+
+        Args:
+            entries: the pairs.
+            strict: raise what stopped the write (a full disk: `sqlite3.OperationalError`, `OSError`)
+                instead of skipping it with the warning: for a caller that must undo what it wrote
+                with the rows (a learned cache's blob).
+        """
         rows, short = _rows(entries)
-        self.insert_rows(rows)
+        self.insert_rows(rows, strict=strict)
         return short
 
-    def insert_rows(self, rows: Sequence[tuple[int, str, int, int, int, int]]) -> None:
-        """Insert raw rows `(hash, chunk_id, anchor offset, length, digest, kind)` (benchmarks and `add`)."""
+    def insert_rows(self, rows: Sequence[tuple[int, str, int, int, int, int]], *, strict: bool = False) -> None:
+        """Insert raw rows `(hash, chunk_id, anchor offset, length, digest, kind)` (benchmarks and
+        `add`, whose `strict` this is)."""
         if not rows:
             return
 
@@ -343,7 +354,7 @@ class ContentIndex:
                 db.executemany("INSERT OR REPLACE INTO anchors VALUES (?, ?, ?, ?, ?, ?)", rows)
             self._maybe_rebuild(db)
 
-        self._using(insert, None)
+        self._using(insert, None, strict=strict)
 
     def remove(self, chunk_ids: Iterable[str]) -> None:
         """Forget chunks (their hashes may stay in the array until its next rebuild: a harmless miss)."""

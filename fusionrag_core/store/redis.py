@@ -34,7 +34,9 @@ from fusionrag_core.store.codec import (
     StorageDType,
     decode_blob,
     encode_blob,
+    header_bytes,
     is_valid_namespace,
+    recorded_fingerprint_in,
     validate_chunk_id,
     validate_variant,
 )
@@ -198,6 +200,25 @@ class RedisKVStore(KVStore):
         with self._errors("read from"):
             members = self._client.sunion(indexes)
         return {m.decode() if isinstance(m, bytes) else str(m) for m in members}
+
+    def stored_fingerprints(self, sample: int = 3) -> set[str]:
+        """The fingerprints recorded in the headers of up to `sample` stored blobs (only their headers
+        are read, by GETRANGE), as `DiskKVStore.stored_fingerprints`: a model refuses another's store."""
+        with self._errors("read from"):
+            ids = [(v, m.decode() if isinstance(m, bytes) else str(m))
+                   for v in VARIANTS for m in self._client.srandmember(self._index(v), sample) or []][:sample]
+            found: set[str] = set()
+            for variant, chunk_id in ids:
+                key = self._key(chunk_id, variant)
+                first = self._client.getrange(key, 0, 7)
+                assert isinstance(first, bytes)  # NOTE: decode_responses=False, so GETRANGE returns bytes.
+                size = header_bytes(first)
+                head = self._client.getrange(key, 0, size - 1) if size else b""
+                assert isinstance(head, bytes)
+                fingerprint = recorded_fingerprint_in(head)
+                if fingerprint is not None:
+                    found.add(fingerprint)
+        return found
 
     def content_index(self) -> None:
         """None: a Redis store keeps no content index yet; its chunks are found by marks (and learned

@@ -268,17 +268,23 @@ class FusionRAGVectorStore(VectorStore):
     def delete_collection(self) -> None:
         """Delete every document (with its caches), then the Chroma collection itself.
 
+        An embedded database is this process's alone from the first deletion to the collection's drop,
+        as for every write (`FusionIndex`): no other process has it open meanwhile.
+
         Raises:
             InvalidRequestError: a store made with `index=` (it does not own its collection).
+            DatabaseInUseError: another process has the embedded database open (after `writer_wait_s`);
+                nothing was deleted.
         """
         if self._open is None:
             raise InvalidRequestError("a store made with index= does not own its collection; delete it through "
                                       "FusionIndex.delete or its Chroma client")
         index = self.index
-        # NOTE: documents first, through the index: their blobs go with their entries (never the reverse).
-        index.delete(sorted(index.document_ids()))
-        self._index = None
-        _client_of(index.collection).delete_collection(index.collection.name)
+        with chroma.alone(index.collection, "delete the collection", wait_s=index.writer_wait_s):
+            # NOTE: documents first, through the index: their blobs go with their entries (never the reverse).
+            index.delete(sorted(index.document_ids()))
+            self._index = None
+            _client_of(index.collection).delete_collection(index.collection.name)
         _forget_in_memory_store(index.collection)
 
     def reset_collection(self) -> None:
