@@ -70,6 +70,18 @@ def test_malformed_assistant_tool_calls_are_a_400_naming_the_field(client: httpx
     assert re.search(field, error["message"]), error["message"]
 
 
+@pytest.mark.parametrize("tool", [{"role": "tool", "content": "Sunny"},
+                                  {"role": "tool", "tool_call_id": 7, "content": "Sunny"},
+                                  {"role": "tool", "tool_call_id": "", "content": "Sunny"}],
+                         ids=["missing", "not-a-string", "empty"])
+def test_a_tool_message_without_its_call_id_is_a_400(client: httpx.Client, tool: dict[str, Any]) -> None:
+    """As OpenAI answers it: the result must say which call it answers."""
+    messages = [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}, tool]
+    response = client.post(CHAT, json={"messages": messages, "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    assert "messages[2].tool_call_id" in error_of(response)["message"]
+
+
 def test_a_well_formed_tool_round_trip_is_answered(client: httpx.Client) -> None:
     messages = [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
                 {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]

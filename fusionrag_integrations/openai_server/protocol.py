@@ -170,7 +170,11 @@ def _chat_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
             raise InvalidRequestError(f"messages[{i}]: only assistant messages carry tool_calls")
         out["tool_calls"] = message["tool_calls"]
     if role == "tool":
-        out["tool_call_id"] = message.get("tool_call_id")
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise InvalidRequestError(f"messages[{i}].tool_call_id must be the id of the call this tool message "
+                                      f"answers (a non-empty string), got {call_id!r}")
+        out["tool_call_id"] = call_id
     return out
 
 
