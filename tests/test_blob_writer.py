@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from fusionrag_core.data import sample_corpus_dir
 from fusionrag_core.engine import FusionEngine
+from fusionrag_core.errors import InsufficientSpaceError
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest.chroma import all_ids
 from fusionrag_core.ingest.config import IngestConfig
@@ -142,8 +143,10 @@ def test_a_failed_blob_write_stops_the_ingest_before_its_chunks_are_indexed(
     engine: FusionEngine, texts: list[str], tmp_path: Path, variant: str, nth: int, indexed: int
 ) -> None:
     index = FusionIndex.open(engine, tmp_path / "db", config=CONFIG)
-    with _failing_put(index, variant, nth), pytest.raises(OSError, match="No space left"):
+    # NOTE: the full disk is named as such (issue 45), with the OSError it came from
+    with _failing_put(index, variant, nth), pytest.raises(InsufficientSpaceError, match="No space left") as stopped:
         index.add_texts(texts)
+    assert isinstance(stopped.value.__cause__, OSError)
     # NOTE: batches of 4: with the 6th fused blob failing, batch 1 is indexed, batch 2 is not.
     assert len(_assert_every_entry_has_its_blobs(index)) == indexed
     if variant == "fused":
