@@ -324,7 +324,8 @@ async def stalled_body(base_url: str, stop: asyncio.Event) -> str:
 async def load_under_attack(base_url: str, requests: Sequence[LoadRequest], clients: int, hostile: int,
                             deadline: float) -> tuple[list[Outcome], dict[str, dict[str, int]]]:
     """`load` with `hostile` more clients sending hostile requests until the ordinary ones end."""
-    bodies = hostile_bodies(requests[0].body | {"stream": False})
+    ordinary = {k: v for k, v in requests[0].body.items() if k != "stream_options"} | {"stream": False}
+    bodies = hostile_bodies(ordinary)
     statuses: dict[str, Counter[str]] = {}
     stop = asyncio.Event()
     attackers = [asyncio.create_task(hostile_client(base_url, bodies, stop, statuses)) for _ in range(hostile)]
@@ -498,9 +499,9 @@ def run(engine: FusionEngine, args: argparse.Namespace) -> int:
                 started = time.perf_counter()
                 remote = asyncio.run(load(base_url, requests, args.clients, deadline))
                 ended = max((o.finished_at for o in remote if o.finished_at), default=started)
+                metrics = scrape_metrics(base_url)  # NOTE: the clean pass's alone
                 attacked = (under_attack(base_url, requests, references, args, deadline)
                             if args.hostile_clients else None)
-                metrics = scrape_metrics(base_url)
         finally:
             index.close()
     doc: dict[str, Any] = {"settings": settings, "reference_answers": [references[q] for q in sorted(references)],

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_serve_load_small_run(default_engine: FusionEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     script = load_script("serve_load", monkeypatch)
     args = script.parse_args(["--requests", "6", "--clients", "3", "--max-tokens", "6", "--questions", "2",
-                              "--out", str(tmp_path / "out")])
+                              "--hostile-clients", "1", "--out", str(tmp_path / "out")])
     assert script.run(default_engine, args) == 0
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     server, local = doc["server"], doc["in_process"]
@@ -37,6 +37,15 @@ def test_serve_load_small_run(default_engine: FusionEngine, tmp_path: Path, monk
     assert doc["metrics"]["fusionrag_requests_total"] == 6
     assert doc["metrics"]["fusionrag_completion_tokens_total"] == server["output_tokens"]
     assert "/tmp/" not in json.dumps(doc["settings"])  # no machine path in what the docs cite
+    # with a hostile client beside them, the same requests got the same answers; every hostile
+    # request was refused as the client's error (4xx in OpenAI's shape) or cut off, none was a 5xx
+    hostile = doc["hostile"]
+    for run in (hostile["server"], hostile["server_after"]):
+        assert run["ok"] == 6 and run["answers_equal"] == 6 and run["errors"] == {}
+    statuses = [status for counts in hostile["statuses"].values() for status in counts]
+    assert hostile["sent"] >= 1 and statuses
+    assert all(s.startswith(("400 ", "404 ", "408 ", "closed", "held")) for s in statuses), statuses
+    assert hostile["ttft_p95_ratio"] is not None and hostile["ttft_p95_ratio"] > 0
 
 
 def test_serve_load_counts_refused_and_unfinished_requests(default_engine: FusionEngine, tmp_path: Path,
