@@ -18,7 +18,8 @@ the chunks in the KV store by their content, as it would for any OpenAI client).
    and printed as a table.
 
 With `--hostile-clients H`, the load runs three times on the same server: clean, then with H more
-clients sending hostile requests for as long as the ordinary ones run (a megabyte stop string, a body
+clients sending hostile requests (`--hostile-share` of all requests sent, a quarter by default; 1
+floods) for as long as the ordinary ones run (a megabyte stop string, a body
 nested 5,000 deep, a lone surrogate, a cyclic schema, out-of-range numbers, a malformed tool call, an
 unknown route, a body that never finishes arriving), then clean again. The report adds each hostile
 kind's statuses and the ordinary requests' TTFT p95 under attack over the mean of the two clean
@@ -222,14 +223,17 @@ def _read_chunk(chunk: dict[str, Any], outcome: Outcome, text: list[str], start:
         outcome.engine_ttft_s = chunk["fusionrag"]["ttft_s"]
 
 
-async def load(base_url: str, requests: Sequence[LoadRequest], clients: int, deadline: float) -> list[Outcome]:
+async def load(base_url: str, requests: Sequence[LoadRequest], clients: int, deadline: float,
+               pacer: Pacer | None = None) -> list[Outcome]:
     """Every request sent by `clients` concurrent clients (each takes the next unsent one); those
-    not finished by `deadline` are cancelled and counted as "timeout"."""
+    not finished by `deadline` are cancelled and counted as "timeout". Each send is told `pacer`."""
     outcomes: dict[int, Outcome] = {}
     unsent = iter(range(len(requests)))  # NOTE: shared by the workers; one event loop, so no lock
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         for i in unsent:
+            if pacer is not None:
+                await pacer.ordinary_sent()
             outcomes[i] = await stream_one(client, requests[i])
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -243,6 +247,37 @@ async def load(base_url: str, requests: Sequence[LoadRequest], clients: int, dea
 
 
 # ---- hostile clients ----------------------------------------------------------------------------------
+@dataclass
+class Pacer:
+    """Holds hostile requests to `share` of all requests sent: a hostile client may send its next one
+    while hostile / (hostile + ordinary) stays under `share` (the ordinary clients' sends open room)."""
+
+    share: float
+    ordinary: int = 0
+    hostile: int = 0
+    turn: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    async def ordinary_sent(self) -> None:
+        async with self.turn:
+            self.ordinary += 1
+            self.turn.notify_all()
+
+    async def hostile_turn(self, stop: asyncio.Event) -> bool:
+        """Wait for room for one more hostile request; False once `stop` is set."""
+        async with self.turn:
+            await self.turn.wait_for(lambda: stop.is_set() or self.hostile + 1 <= self.share * (
+                self.hostile + 1 + self.ordinary))
+            if stop.is_set():
+                return False
+            self.hostile += 1
+            return True
+
+    async def stop(self, stop: asyncio.Event) -> None:
+        async with self.turn:
+            stop.set()
+            self.turn.notify_all()
+
+
 def hostile_bodies(ordinary: dict[str, Any]) -> dict[str, bytes]:
     """The hostile chat bodies, as raw JSON bytes (ASCII-escaped, so a lone surrogate travels as JSON
     allows), each built on an ordinary request: what a server must refuse or bound, whatever it costs."""
@@ -263,30 +298,38 @@ def hostile_bodies(ordinary: dict[str, Any]) -> dict[str, bytes]:
     }
 
 
-async def hostile_client(base_url: str, bodies: dict[str, bytes], stop: asyncio.Event,
+async def hostile_client(base_url: str, bodies: dict[str, bytes], pacer: Pacer, stop: asyncio.Event,
                          statuses: dict[str, Counter[str]]) -> None:
-    """Send the hostile kinds round-robin until `stop` is set, counting each kind's statuses."""
+    """Send the hostile kinds round-robin, each when `pacer` gives a turn, until `stop` is set,
+    counting each kind's statuses. A stalled body holds its own connection meanwhile (it ends when
+    the server cuts it off or the load ends), so it never holds up the client's next request."""
     kinds = [*bodies, "unknown_route", "stalled_body"]
+    stalled: list[asyncio.Task[None]] = []
+
+    async def count_stalled() -> None:
+        statuses.setdefault("stalled_body", Counter())[await stalled_body(base_url, stop)] += 1
+
     async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as client:
         for i in range(10**9):
-            if stop.is_set():
-                return
+            if not await pacer.hostile_turn(stop):
+                break
             kind = kinds[i % len(kinds)]
+            if kind == "stalled_body":
+                stalled.append(asyncio.create_task(count_stalled()))
+                continue
             try:
                 if kind == "unknown_route":
                     response = await client.get("/v1/nothing-here")
-                    status = f"{response.status_code} {_error_message(response)[:100]!r}"
-                elif kind == "stalled_body":
-                    status = await stalled_body(base_url, stop)
                 else:
                     response = await client.post("/v1/chat/completions", content=bodies[kind],
                                                  headers={"content-type": "application/json"})
-                    status = str(response.status_code)
-                    if response.status_code >= 400:
-                        status += f" {_error_message(response)[:100]!r}"
+                status = str(response.status_code)
+                if response.status_code >= 400:
+                    status += f" {_error_message(response)[:100]!r}"
             except httpx.HTTPError as e:
                 status = type(e).__name__
             statuses.setdefault(kind, Counter())[status] += 1
+    await asyncio.gather(*stalled)
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -322,17 +365,18 @@ async def stalled_body(base_url: str, stop: asyncio.Event) -> str:
 
 
 async def load_under_attack(base_url: str, requests: Sequence[LoadRequest], clients: int, hostile: int,
-                            deadline: float) -> tuple[list[Outcome], dict[str, dict[str, int]]]:
-    """`load` with `hostile` more clients sending hostile requests until the ordinary ones end."""
+                            share: float, deadline: float) -> tuple[list[Outcome], dict[str, dict[str, int]]]:
+    """`load` with `hostile` more clients sending hostile requests, `share` of all sent, until the
+    ordinary ones end."""
     ordinary = {k: v for k, v in requests[0].body.items() if k != "stream_options"} | {"stream": False}
     bodies = hostile_bodies(ordinary)
     statuses: dict[str, Counter[str]] = {}
-    stop = asyncio.Event()
-    attackers = [asyncio.create_task(hostile_client(base_url, bodies, stop, statuses)) for _ in range(hostile)]
+    stop, pacer = asyncio.Event(), Pacer(share)
+    attackers = [asyncio.create_task(hostile_client(base_url, bodies, pacer, stop, statuses)) for _ in range(hostile)]
     try:
-        outcomes = await load(base_url, requests, clients, deadline)
+        outcomes = await load(base_url, requests, clients, deadline, pacer)
     finally:
-        stop.set()
+        await pacer.stop(stop)
         failed = [r for r in await asyncio.gather(*attackers, return_exceptions=True) if isinstance(r, Exception)]
     if failed:
         raise RuntimeError(f"a hostile client failed: {failed[0]!r}") from failed[0]
@@ -344,7 +388,8 @@ def under_attack(base_url: str, requests: Sequence[LoadRequest], references: dic
     """The load again with `args.hostile_clients` hostile clients beside it, then once more clean (the
     clean pass before it and this one bracket it): both summaries and the hostile kinds' statuses."""
     started = time.perf_counter()
-    remote, statuses = asyncio.run(load_under_attack(base_url, requests, args.clients, args.hostile_clients, deadline))
+    remote, statuses = asyncio.run(load_under_attack(base_url, requests, args.clients, args.hostile_clients,
+                                                     args.hostile_share, deadline))
     ended = max((o.finished_at for o in remote if o.finished_at), default=started)
     attacked = summarise(remote, requests, references, ended - started)
     started = time.perf_counter()
@@ -431,7 +476,8 @@ def table(doc: dict[str, Any]) -> str:
                     f"{r['answers_equal']} of {r['ok']} |")
     if "hostile" in doc:
         h = doc["hostile"]
-        rows += ["", f"Hostile requests sent: {h['sent']}; ordinary TTFT p95 under attack / clean: "
+        rows += ["", f"Hostile requests sent: {h['sent']} (`--hostile-share {s['hostile_share']}`); ordinary TTFT "
+                     "p95 under attack / clean: "
                      f"{h['ttft_p95_ratio']}", "", "| hostile kind | statuses |", "|---|---|"]
         rows += [f"| {kind} | {', '.join(f'{k}: {v}' for k, v in counts.items())} |"
                  for kind, counts in h["statuses"].items()]
@@ -461,6 +507,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help=f"the engine scheduler's --max-waiting (default: {defaults.max_waiting})")
     parser.add_argument("--hostile-clients", type=int, default=0,
                         help="clients sending hostile requests during a second load pass (default: 0, none)")
+    parser.add_argument("--hostile-share", type=float, default=0.25,
+                        help="hostile requests' share of all requests sent in that pass (default: 0.25); "
+                             "1 floods: each hostile client sends its next as soon as the last is answered")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds the run may take once the model has loaded (default: 1800)")
     parser.add_argument("--model", default=None, help="model (default: the packaged SmolLM2-135M)")
@@ -473,6 +522,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if value is not None and value < 1:
             name = "-k" if flag == "k" else f"--{flag.replace('_', '-')}"
             parser.error(f"{name} must be at least 1, got {value}")
+    if not 0 < args.hostile_share <= 1:
+        parser.error(f"--hostile-share must be in (0, 1], got {args.hostile_share}")
     if args.hostile_clients < 0:
         parser.error(f"--hostile-clients must be at least 0, got {args.hostile_clients}")
     if args.timeout < 0:
