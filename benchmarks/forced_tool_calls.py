@@ -23,10 +23,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,13 +34,15 @@ from typing import Any
 import jsonschema
 import openai
 import torch
-import uvicorn
 
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.query.tools import ToolCall, split_calls, tool_request
 from fusionrag_integrations.openai_server import ServerConfig, create_app
 from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_load import serving  # NOTE: the load test's uvicorn-in-a-thread, not a copy
 
 SYSTEM = "You have access to a tool that retrieves context from a blog post. Use the tool to help answer user queries."
 TOOL: Any = {"type": "function", "function": {
@@ -112,26 +114,6 @@ def messages(question: str) -> list[dict[str, Any]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
-@contextlib.contextmanager
-def serving(session: ReuseSession) -> Iterator[str]:
-    """The server on 127.0.0.1 (a free port), in a thread of this process; its base URL."""
-    server = uvicorn.Server(uvicorn.Config(create_app(session, ServerConfig()), host="127.0.0.1", port=0,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"parsed": sum(r["parsed"] for r in rows), "of": len(rows),
             "finish_reasons": {f: sum(r["finish_reason"] == f for r in rows)
@@ -159,8 +141,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         modes["in_process_unbounded"].append(in_process(session, question, args.max_tokens, UNBOUNDED))
         modes["in_process_bounded"].append(in_process(session, question, args.max_tokens, default_bound))
     engine.config = replace(engine.config, tool_string_chars=default_bound)
-    with serving(session) as url, openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
-                                                timeout=600) as client:
+    with serving(create_app(session, ServerConfig())) as url, \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600) as client:
         for question in questions:
             modes["http_bounded"].append(over_http(client, engine.name, question, args.max_tokens))
     result = {
