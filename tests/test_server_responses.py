@@ -20,6 +20,7 @@ read the same caches.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.ingest.config import IngestConfig
@@ -244,3 +246,46 @@ def test_file_search_the_model_calls_runs_on_the_server(client: openai.OpenAI, v
                          "response.file_search_call.completed"]
     assert "response.output_text.annotation.added" in kinds
     assert_cited_and_reused(events[-1].response)
+
+
+# ---- the OpenAI Agents SDK ----------------------------------------------------------------------------------
+class Answer(BaseModel):
+    designer: str = Field(max_length=24)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_agents_sdk_file_search_tool_answers_with_citations(base_url: str, vector_store: Any,
+                                                            session: ReuseSession, streamed: bool) -> None:
+    """An Agents SDK agent with `FileSearchTool` on the SDK's default Responses model: the search ran
+    on the server, the answer cites the file, and the retrieved chunks were read from caches."""
+    agents = pytest.importorskip("agents")
+    from agents.models.openai_provider import OpenAIProvider
+
+    agents.set_tracing_disabled(True)  # NOTE: the SDK would export its traces to OpenAI's servers
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=300)
+    agent = agents.Agent(
+        name="librarian", instructions="Answer from the files.", model=session.engine.name,
+        tools=[agents.FileSearchTool(vector_store_ids=[vector_store.id], max_num_results=3,
+                                     include_search_results=True)],
+        # NOTE: a short schema-bound answer, so it ends within its budget: the SDK fails a stream that
+        # ends incomplete
+        output_type=Answer, model_settings=agents.ModelSettings(tool_choice="file_search", max_tokens=40,
+                                                                temperature=0))
+    run_config = agents.RunConfig(model_provider=OpenAIProvider(openai_client=client, use_responses=True))
+
+    async def run() -> Any:
+        if not streamed:
+            return await agents.Runner.run(agent, QUESTION, run_config=run_config)
+        result = agents.Runner.run_streamed(agent, QUESTION, run_config=run_config)
+        kinds = [event.type async for event in result.stream_events()]
+        assert "raw_response_event" in kinds
+        return result
+    result = asyncio.run(run())
+    (search,) = [i.raw_item for i in result.new_items if getattr(i.raw_item, "type", "") == "file_search_call"]
+    assert search.results and search.queries == [QUESTION]
+    (message,) = [i.raw_item for i in result.new_items if getattr(i.raw_item, "type", "") == "message"]
+    citations = [a for a in message.content[0].annotations if a.type == "file_citation"]
+    assert {a.filename for a in citations} >= {"lighthouse.txt"} and result.final_output
+    assert isinstance(result.final_output, Answer)
+    (response,) = result.raw_responses
+    assert response.usage.input_tokens_details.cached_tokens > 0
