@@ -335,13 +335,17 @@ def response_object(body: ResponsesRequest, response_id: str, created: int, mode
                     incomplete: str | None = None) -> dict[str, Any]:
     """The `response` object (what create, retrieve and the stream's lifecycle events carry)."""
     return {
-        "id": response_id, "object": "response", "created_at": created, "status": status, "model": model,
+        "id": response_id, "object": "response", "created_at": created,
+        "completed_at": now() if status in ("completed", "incomplete") else None, "status": status, "model": model,
         "output": output, "instructions": body.instructions, "tools": body.tools or [],
         "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": bool(body.parallel_tool_calls),
-        "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
-        "previous_response_id": body.previous_response_id, "store": body.store,
-        "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled", "metadata": body.metadata or {},
-        "usage": usage_, "error": None, "user": body.user,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+        "top_logprobs": 0, "max_output_tokens": body.max_output_tokens, "max_tool_calls": None,
+        "previous_response_id": body.previous_response_id, "store": body.store, "background": False,
+        "service_tier": "default", "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled",
+        "metadata": body.metadata or {}, "usage": usage_, "error": None, "user": body.user,
+        "safety_identifier": None, "prompt_cache_key": body.prompt_cache_key,
         "incomplete_details": {"reason": incomplete} if incomplete else None,
         "reasoning": {"effort": None, "summary": None},
     }
