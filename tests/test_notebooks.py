@@ -107,6 +107,7 @@ def test_agents_file_search_cookbook_runs_and_reuses_caches(tmp_path: Path) -> N
     stats = summary["stats"]
     assert set(stats["chunk_found_by"].values()) == {"mark"} and stats["cache_misses"] == 0
     assert stats["reused_tokens"] >= 0.8 * (stats["reused_tokens"] + stats["recomputed_tokens"]) > 0
+    assert stats["fused_chunks"] >= 1
     # the follow-up continued the first turn's kept K/V
     assert summary["follow_cached_tokens"] >= summary["first_input_tokens"]
     assert summary["server_stopped"] is True

@@ -222,6 +222,8 @@ def assert_cited_and_reused(response: Any) -> None:
     assert set(stats["chunk_found_by"].values()) == {"mark"} and stats["cache_misses"] == 0, stats
     share = stats["reused_tokens"] / (stats["reused_tokens"] + stats["recomputed_tokens"])
     assert share >= 0.8, stats
+    assert stats["fused_chunks"] >= 1 and stats["fused_chunks"] + stats["independent_chunks"] == len(
+        stats["chunk_found_by"]), stats
 
 
 def test_forced_file_search_reads_the_hits_from_their_caches(client: openai.OpenAI, vector_store: Any) -> None:

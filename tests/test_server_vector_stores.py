@@ -146,3 +146,18 @@ def test_fusionrag_serve_keeps_its_vector_stores_under_db(one_layer_engine: Fusi
         assert stores.files.root == tmp_path / "files" and (tmp_path / "chroma").is_dir()
     finally:
         stores.close()
+
+
+def test_a_conversation_outlives_its_deleted_vector_store(served: httpx.Client,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    store = served.post("/v1/vector_stores", json={"file_ids": [upload(served)]}).json()
+    tools = [{"type": "file_search", "vector_store_ids": [store["id"]], "max_num_results": 2}]
+    first = served.post("/v1/responses", json={"input": "Who designed it?", "tools": tools, "max_output_tokens": 3,
+                                               "tool_choice": {"type": "file_search"}, "temperature": 0})
+    assert first.status_code == 200, first.text
+    assert first.json()["output"][0]["type"] == "file_search_call" and first.json()["output"][0]["results"]
+    assert served.delete(f"/v1/vector_stores/{store['id']}").json()["deleted"] is True
+    follow = served.post("/v1/responses", json={"input": "And then?", "previous_response_id": first.json()["id"],
+                                                "max_output_tokens": 3, "temperature": 0})
+    assert follow.status_code == 200, follow.text
+    assert f"vector store {store['id']} of a continued conversation was deleted" in caplog.text

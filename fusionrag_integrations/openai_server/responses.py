@@ -22,6 +22,7 @@ prefix cache) instead of computing them again.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -59,6 +60,7 @@ from fusionrag_integrations.openai_server.vector_stores import VectorStores, fil
 from fusionrag_integrations.request import RequestOptions, generation_stats
 from fusionrag_integrations.session import ReuseSession
 
+logger = logging.getLogger(__name__)
 STORED_RESPONSES = 1024
 """Responses kept for `previous_response_id` and GET (the least recently used go first)."""
 SEARCH_TOOL = {"type": "function", "function": {
@@ -182,7 +184,7 @@ class _Responses:
         return await stream.respond(request, options, turn.prompt_fn(self.server, tools), body.stream)
 
     async def retrieve(self, response_id: str) -> dict[str, Any]:
-        return self._stored(response_id).response
+        return self._stored(response_id, None).response
 
     async def delete(self, response_id: str) -> dict[str, Any]:
         try:
@@ -191,19 +193,31 @@ class _Responses:
             raise HTTPError(404, e.message, code="not_found") from None
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
-    def _stored(self, response_id: str) -> StoredResponse:
+    def _stored(self, response_id: str, param: str | None) -> StoredResponse:
         try:
             return self.stored.get(response_id)
         except NoSuchObjectError as e:
-            raise HTTPError(404, e.message, code="not_found", param="previous_response_id") from None
+            raise HTTPError(404, e.message, code="not_found", param=param) from None
 
     def _previous(self, response_id: str | None) -> StoredResponse | None:
-        return None if response_id is None else self._stored(response_id)
+        return None if response_id is None else self._stored(response_id, "previous_response_id")
+
+    def _conversation_store(self, previous: StoredResponse | None) -> str | None:
+        """The vector store a continued conversation's passages came from, if it still exists."""
+        vs_id = previous.vector_store_id if previous is not None else None
+        if vs_id is None or self.vector_stores is None:
+            return None
+        try:
+            self.vector_stores.index(vs_id)
+        except NoSuchObjectError:
+            _gone(vs_id)
+            return None
+        return vs_id
 
     def _vector_store(self, search: FileSearchSpec | None, previous: StoredResponse | None) -> str | None:
         """The vector store this turn reads caches from: its file_search's, else its conversation's."""
         if search is None:
-            return previous.vector_store_id if previous is not None else None
+            return self._conversation_store(previous)
         if self.vector_stores is None:
             raise HTTPError(400, "file_search needs vector stores: this server was started without a data directory "
                                  "for them", param="tools")
@@ -434,6 +448,11 @@ class ResponseOutput:
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.sequence += 1
         return {"type": kind, "sequence_number": self.sequence - 1, **fields}
+
+
+def _gone(vs_id: str) -> None:
+    logger.warning("the vector store %s of a continued conversation was deleted: its passages are read as text, "
+                   "their caches no more", vs_id)
 
 
 def _last_user_text(messages: list[dict[str, Any]]) -> str:
