@@ -4,8 +4,8 @@ Two replicas on a local Ray cluster (2 CPUs, loopback only) share a Chroma serve
 store (started here, on loopback) that the packaged model ingested a small corpus into. Their answers
 and reuse equal a single in-process server's; requests spread over both; a replica killed while
 requests run is replaced, every request succeeds within a few retries, and the corpus still verifies
-clean with every cache it had. Replicas do not find the ingested caches of a Redis store in a prompt
-yet (a strict xfail says why). The CLI flags are checked without starting Ray.
+clean with every cache it had. Both find the ingested caches of the Redis store in a prompt by content
+(its content index lives in Redis). The CLI flags are checked without starting Ray.
 """
 
 from __future__ import annotations
@@ -159,9 +159,6 @@ def test_two_replicas_answer_like_one_server(replicas: RayServeApp, corpus: Fusi
 @ray_only
 @pytest.mark.slow
 @pytest.mark.servers
-@pytest.mark.xfail(strict=True, reason="a Redis KV store keeps no content index (content_index()): a prompt's "
-                   "ingested passages are not found in it by content (over HTTP there are no marks), only learned "
-                   "by a first request and reused from then on")
 def test_replicas_find_ingested_caches_in_the_redis_store(replicas: RayServeApp) -> None:
     with httpx.Client(base_url=replicas.url, timeout=120) as client:
         body = _chat("Where did the Corran guild meet?", UNSEEN)

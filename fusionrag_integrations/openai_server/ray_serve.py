@@ -14,9 +14,9 @@ them, as OpenAI clients do), the others go to the live replicas. Replicas only r
 caches (writing them stays `fusionrag ingest`'s and `verify`'s); each node's replicas share the
 learned caches under `data_dir` (SQLite and atomic blob writes: safe for several processes).
 
-NOTE: a prompt's passages are found by content through the store's content index, which disk stores
-keep and Redis stores do not yet (`KVStore.content_index()`): on a Redis store the replicas find
-no ingested cache in a prompt, learn the passages on first sight and reuse them from then on.
+A prompt's passages are found by content through the store's content index (`KVStore.content_index()`):
+a Redis store keeps it in Redis beside the caches, and every replica follows its changes at each
+lookup, so a replica started before an ingest finds the new chunks without a restart.
 
 Ray Serve is an optional dependency (`pip install 'fusionrag[serve-ray]'`; tested with 2.60), imported
 when `deploy` runs.
