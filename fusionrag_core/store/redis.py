@@ -111,6 +111,15 @@ class RedisKVStore(KVStore):
                 "check that redis-server is running and the URL (host, port, db, password) is right"
             ) from e
 
+    def blob_key(self, chunk_id: str, variant: Variant) -> str:
+        """The key of the blob of `(chunk_id, variant)` (whether or not it exists)."""
+        return self._key(chunk_id, variant)
+
+    @property
+    def client(self) -> redis.Redis:
+        """The Redis client (its connection pool): for what keeps state beside the blobs."""
+        return self._client
+
     def _key(self, chunk_id: str, variant: Variant) -> str:
         validate_chunk_id(chunk_id)
         validate_variant(variant)

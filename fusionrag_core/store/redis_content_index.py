@@ -166,10 +166,13 @@ class RedisContentIndex:
         whole when entries were trimmed away unseen, the log was reset, or nothing was loaded yet."""
         mirror = self._mirror
         if mirror.last is not None:
-            pipe = self._client.pipeline(transaction=True)
-            pipe.xrange(self._log_key, count=1)
+            # NOTE: reads only, so no MULTI (a server at its maxmemory refuses transactions). The new
+            # entries are read before the log's oldest one: trimming only ever drops the oldest, so an
+            # oldest entry not after `last` means none after `last` was dropped before they were read.
+            pipe = self._client.pipeline(transaction=False)
             pipe.xrange(self._log_key, min=f"({mirror.last}")
-            first, entries = pipe.execute()
+            pipe.xrange(self._log_key, count=1)
+            entries, first = pipe.execute()
             oldest = _text(first[0][0]) if first else None
             # NOTE: the log is gone (flushed) or starts after the entry this mirror applied last: some
             # change may have been trimmed away unseen.
@@ -194,11 +197,12 @@ class RedisContentIndex:
         return True
 
     def _reload(self) -> None:
-        """The rows whole, and the log's last entry, read together."""
-        pipe = self._client.pipeline(transaction=True)
-        pipe.hgetall(self._rows_key)
+        """The rows whole, and the log's last entry read before them (entries after it are applied again
+        at the next use: adding or removing a row twice changes nothing)."""
+        pipe = self._client.pipeline(transaction=False)
         pipe.xrevrange(self._log_key, count=1)
-        rows, newest = pipe.execute()
+        pipe.hgetall(self._rows_key)
+        newest, rows = pipe.execute()
         last = _text(newest[0][0]) if newest else _START
         self._mirror.load((_decode(_text(k), v) for k, v in rows.items()), last)
 
