@@ -21,7 +21,7 @@ from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest.config import IngestConfig
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.reuse.sources import ReuseSources
-from fusionrag_core.store import DiskKVStore, RedisKVStore
+from fusionrag_core.store import DiskKVStore, RedisKVStore, TierConfig, TieredKVStore
 from fusionrag_core.store import redis_content_index as rci
 from fusionrag_core.store.content_index import ContentIndex
 from tests.ingest_worker import tiny_engine
@@ -145,3 +145,19 @@ def test_first_ask_reuse_over_redis_equals_the_disk_corpus(engine: FusionEngine,
         assert [m.chunk_id for m in early_sources.find(_messages()[0]["content"])] == \
             [m.chunk_id for m in on_disk.store.content_index().find(_messages()[0]["content"])][:2]
         early.close()
+
+
+def test_tiers_in_front_of_redis_read_a_hot_chunk_from_it_once(engine: FusionEngine, redis_url: str,
+                                                               tmp_path: Path) -> None:
+    with FusionIndex.open(engine, tmp_path, redis_url=redis_url, config=CONFIG,
+                          tiers=TierConfig(device_bytes=8 << 20, host_bytes=8 << 20)) as index:
+        assert isinstance(index.store, TieredKVStore) and isinstance(index.store.backend, RedisKVStore)
+        index.add_texts(TEXTS[:4], doc_ids=[f"d{i}" for i in range(4)])
+        sources = ReuseSources(index.store, None, learning=False)
+        tiers = []
+        for _ in range(2):
+            gen = engine.generate(sources.prompt(engine, _messages()), store=sources,
+                                  sampling=SamplingConfig(max_new_tokens=2))
+            tiers.append(gen.kv_tiers)
+        assert tiers[0]["store_hits"] == 3 and tiers[0]["device_hits"] == 0  # NOTE: three chunks, read from Redis
+        assert tiers[1]["store_hits"] == 0 and tiers[1]["device_hits"] == 3  # NOTE: then from this process's tier

@@ -45,6 +45,7 @@ from fusionrag_core.errors import FusionRAGError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest.distributed import start_local_cluster
 from fusionrag_core.paths import DEFAULT_COLLECTION
+from fusionrag_core.store import TierConfig
 from fusionrag_integrations.openai_server.app import create_app
 from fusionrag_integrations.openai_server.config import LOOPBACK, ServerConfig
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
@@ -69,6 +70,8 @@ class ReplicaSpec:
         server: the routes' limits and API key; `host:port` is where Serve's proxy listens.
         limits: each replica's scheduler limits (`max_running`, `max_waiting`): its one admission point.
         learn: whether replicas learn caches from their requests.
+        tiers: each replica's device and host LRU of decoded caches in front of the shared store
+            (None: none), so a hot chunk is read from it once per replica; hits per tier in `/metrics`.
 
     Raises:
         InvalidRequestError: `server.port` is 0 (Serve's proxy needs a port clients can be told).
@@ -82,6 +85,7 @@ class ReplicaSpec:
     server: ServerConfig = field(default_factory=ServerConfig)
     limits: SchedulerConfig = field(default_factory=SchedulerConfig)
     learn: bool = True
+    tiers: TierConfig | None = None
 
     def __post_init__(self) -> None:
         if self.server.port == 0:
@@ -163,7 +167,7 @@ def _open_corpus(spec: ReplicaSpec, engine: FusionEngine) -> FusionIndex | None:
     if spec.chroma_url is None:
         return None
     index = FusionIndex.open(engine, spec.data_dir, chroma_url=spec.chroma_url, redis_url=spec.redis_url,
-                             collection_name=spec.collection)
+                             collection_name=spec.collection, tiers=spec.tiers)
     sample = index.collection.get(limit=1, include=[])["ids"]
     if sample and not any(index.store.has(sample[0], v) for v in _VARIANTS):  # type: ignore[arg-type]
         index.close()
