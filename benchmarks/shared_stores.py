@@ -1,7 +1,7 @@
 """The shared stores against the disk store, side by side: the same corpus and prompts, found by content.
 
-The packaged sample corpus is ingested three times with one model, into: a disk store (the default),
-a Redis store, and the same Redis store behind a host tier (`TierConfig`, what `fusionrag serve
+The packaged sample corpus is ingested twice with one model, into a disk store (the default) and a
+Redis store, which is also read behind a host tier (`TierConfig`, what `fusionrag serve
 --cache-host-mb` puts in front of it). Every corpus gets the same RAG chat requests as
 `serve_load.py` builds (retrieved chunk texts pasted in the user message, no marks), answered with
 learning off, so what is reused is what the content index found. Then:
@@ -56,13 +56,10 @@ from fusionrag_integrations.openai_server import ServerConfig, create_app
 from fusionrag_integrations.openai_server.protocol import ChatCompletionRequest
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
 
-STORES = ("disk", "redis", "redis+host tier")
 
-
-def open_corpus(engine: FusionEngine, name: str, data_dir: Path, redis_url: str) -> FusionIndex:
-    """The sample corpus in the store `name`, ingested."""
-    tiers = TierConfig(host_bytes=256 << 20) if name.endswith("tier") else None
-    index = FusionIndex.open(engine, data_dir, redis_url=None if name == "disk" else redis_url, tiers=tiers)
+def open_corpus(engine: FusionEngine, data_dir: Path, redis_url: str | None) -> FusionIndex:
+    """The sample corpus in a disk store (no `redis_url`) or a Redis one, ingested."""
+    index = FusionIndex.open(engine, data_dir, redis_url=redis_url)
     files = sorted(sample_corpus_dir().glob("*.md"))
     index.add_texts([f.read_text(encoding="utf-8") for f in files], metadatas=[{"source": f.name} for f in files],
                     doc_ids=[f"fusionrag-sample/{f.name}" for f in files])
@@ -141,10 +138,10 @@ def over_http(name: str, session: ReuseSession, requests: Sequence[LoadRequest],
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url", required=True, help="a Redis server to ingest into (a namespace of its own)")
-    parser.add_argument("--requests", type=int, default=12, help="requests (cycling the sample questions)")
-    parser.add_argument("--repeats", type=int, default=3, help="serial passes over the requests")
-    parser.add_argument("--clients", type=int, default=4, help="concurrent clients over HTTP")
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=6, help="requests (cycling the sample questions)")
+    parser.add_argument("--repeats", type=int, default=2, help="serial passes over the requests")
+    parser.add_argument("--clients", type=int, default=2, help="concurrent clients over HTTP")
+    parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("-k", type=int, default=3, help="retrieved chunks in each prompt")
     parser.add_argument("--questions", type=int, default=None)
     parser.add_argument("--model", default=None)
@@ -163,12 +160,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     python=platform.python_version(), torch=torch.__version__,
                     redis=raw.info("server")["redis_version"])
     with tempfile.TemporaryDirectory(prefix="fusionrag-shared-stores-") as tmp:
-        indexes = {name: open_corpus(engine, name, Path(tmp) / str(i), args.redis_url)
-                   for i, name in enumerate(STORES)}
+        indexes = {"disk": open_corpus(engine, Path(tmp) / "disk", None),
+                   "redis": open_corpus(engine, Path(tmp) / "redis", args.redis_url)}
         try:
             requests = build_requests(indexes["disk"], args)
-            sessions = {name: ReuseSession(engine, index.store, ReuseConfig(data_dir=tmp, learn=False))
-                        for name, index in indexes.items()}
+            tiered = TierConfig(host_bytes=256 << 20).wrap(indexes["redis"].store, device=engine.device,
+                                                           dtype=engine.decoder.dtype)
+            stores = {"disk": indexes["disk"].store, "redis": indexes["redis"].store, "redis+host tier": tiered}
+            sessions = {name: ReuseSession(engine, store, ReuseConfig(data_dir=tmp, learn=False))
+                        for name, store in stores.items()}
             doc: dict[str, Any] = {"settings": settings,
                                    "lookup_us_per_prompt": lookup_cost(sessions, requests, args.repeats),
                                    "serial": serial(sessions, requests, args.repeats, config),

@@ -211,17 +211,23 @@ class RedisContentIndex:
         """Index `(chunk_id, text)` pairs (a chunk id already indexed is replaced); returns how many
         were blank (not indexed). `strict`: raise a FusionRAGError when Redis refuses the write."""
         rows, blank = index_rows(entries)
-        if rows:
-            encoded = {row[1]: _encode(row).decode() for row in rows}
-
-            def write() -> None:
-                pipe = self._client.pipeline(transaction=True)
-                pipe.hset(self._rows_key, mapping=encoded)  # type: ignore[arg-type]
-                pipe.xadd(self._log_key, {"add": json.dumps(encoded)}, maxlen=LOG_ENTRIES, approximate=True)
-                pipe.execute()
-
-            self._using(write, None, follow=False, strict=strict)
+        self.insert_rows(rows, strict=strict)
         return blank
+
+    def insert_rows(self, rows: Sequence[Row], *, strict: bool = False) -> None:
+        """Insert raw rows `(hash, chunk_id, anchor offset, length, digest, kind)`, with their log
+        entry, in one MULTI/EXEC (benchmarks and `add`, whose `strict` this is)."""
+        if not rows:
+            return
+        encoded = {row[1]: _encode(row).decode() for row in rows}
+
+        def write() -> None:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.hset(self._rows_key, mapping=encoded)  # type: ignore[arg-type]
+            pipe.xadd(self._log_key, {"add": json.dumps(encoded)}, maxlen=LOG_ENTRIES, approximate=True)
+            pipe.execute()
+
+        self._using(write, None, follow=False, strict=strict)
 
     def remove(self, chunk_ids: Iterable[str]) -> None:
         """Forget chunks (every process's mirror drops them at its next use)."""

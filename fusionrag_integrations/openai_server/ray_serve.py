@@ -11,8 +11,10 @@ reaches: Redis, or a directory every node mounts) and serves `create_app(session
 proxy spreads requests over the replicas and names the one that answered in `REPLICA_HEADER`. Serve's
 controller replaces a replica whose actor dies: the requests that replica held fail (clients retry
 them, as OpenAI clients do), the others go to the live replicas. Replicas only read the corpus's
-caches (writing them stays `fusionrag ingest`'s and `verify`'s); each node's replicas share the
-learned caches under `data_dir` (SQLite and atomic blob writes: safe for several processes).
+caches (writing them stays `fusionrag ingest`'s and `verify`'s). Learned caches are shared by every
+replica through a Redis store (`reuse/shared_learned.py`); over a disk store, by each node's replicas
+under `data_dir` (SQLite and atomic blob writes: safe for several processes). `ReplicaSpec.tiers`
+puts a device and a host LRU in front of the shared store in each replica.
 
 A prompt's passages are found by content through the store's content index (`KVStore.content_index()`):
 a Redis store keeps it in Redis beside the caches, and every replica follows its changes at each
