@@ -5,13 +5,15 @@ Keys (with `ns` the store's namespace):
 * `ns:content:rows` → hash: chunk id → its index row (`content_index.index_rows`: anchor hash,
   anchor offset, text length, text digest, kind), the source of truth;
 * `ns:content:log` → stream of changes: `add` (rows), `remove` (ids) or `reset` (every row was
-  replaced), written in the same MULTI/EXEC as the rows they change, trimmed to about
-  `LOG_ENTRIES` entries.
+  replaced), written in the same MULTI/EXEC as the rows they change. It is never trimmed: a
+  rebuild replaces it by one `reset` entry, and `check` asks for a rebuild once it holds more than
+  `LOG_ENTRIES` entries (one per `add` or `remove` call, so one per ingest or delete).
 
 Every process keeps a mirror of the rows in memory (a dict by anchor hash and its sorted array,
 the disk index's vectorised lookup). Each use first follows the log from the last entry it applied,
 in one round trip: a process started before an ingest sees its chunks at its next lookup, without a
-restart. A process that fell behind the trimmed log, or saw a `reset`, reloads the rows whole.
+restart. A process that saw a `reset`, or finds the log gone (a flushed database), reloads the rows
+whole.
 
 The index is derived data (the collection holds every chunk text), as the disk one is: a server
 that cannot be reached never fails a request; lookups find nothing, `problem` says why, one warning
@@ -45,9 +47,9 @@ from fusionrag_core.store.content_index import (
 
 log = logging.getLogger(__name__)
 
-LOG_ENTRIES = 1000
-"""About how many changes the log keeps (one per `add` or `remove` call, not per chunk): a process
-that falls further behind reloads the rows whole."""
+LOG_ENTRIES = 10_000
+"""Changes the log may hold (one per `add` or `remove` call, not per chunk) before `check` asks
+`verify` to rebuild the index, which compacts it to one entry."""
 _START = "0-0"  # NOTE: the stream id before any entry
 _T = TypeVar("_T")
 # NOTE: what an index that cannot be used raises: the server's errors (unreachable, out of memory,
@@ -166,17 +168,14 @@ class RedisContentIndex:
         whole when entries were trimmed away unseen, the log was reset, or nothing was loaded yet."""
         mirror = self._mirror
         if mirror.last is not None:
-            # NOTE: reads only, so no MULTI (a server at its maxmemory refuses transactions). The new
-            # entries are read before the log's oldest one: trimming only ever drops the oldest, so an
-            # oldest entry not after `last` means none after `last` was dropped before they were read.
+            # NOTE: reads only, so no MULTI (a server at its maxmemory refuses transactions). The log
+            # only grows, or is replaced whole by a rebuild (whose `reset` entry comes after every
+            # earlier one); a log that is gone was flushed, with changes this mirror never saw.
             pipe = self._client.pipeline(transaction=False)
             pipe.xrange(self._log_key, min=f"({mirror.last}")
-            pipe.xrange(self._log_key, count=1)
-            entries, first = pipe.execute()
-            oldest = _text(first[0][0]) if first else None
-            # NOTE: the log is gone (flushed) or starts after the entry this mirror applied last: some
-            # change may have been trimmed away unseen.
-            lost = (oldest is None and mirror.last != _START) or (oldest is not None and _after(oldest, mirror.last))
+            pipe.exists(self._log_key)
+            entries, exists = pipe.execute()
+            lost = not exists and mirror.last != _START
             if not lost and self._apply(entries):
                 return
         self._reload()
@@ -224,7 +223,7 @@ class RedisContentIndex:
         def write() -> None:
             pipe = self._client.pipeline(transaction=True)
             pipe.hset(self._rows_key, mapping=encoded)  # type: ignore[arg-type]
-            pipe.xadd(self._log_key, {"add": json.dumps(encoded)}, maxlen=LOG_ENTRIES, approximate=True)
+            pipe.xadd(self._log_key, {"add": json.dumps(encoded)})
             pipe.execute()
 
         self._using(write, None, follow=False, strict=strict)
@@ -238,7 +237,7 @@ class RedisContentIndex:
         def delete() -> None:
             pipe = self._client.pipeline(transaction=True)
             pipe.hdel(self._rows_key, *gone)
-            pipe.xadd(self._log_key, {"remove": json.dumps(gone)}, maxlen=LOG_ENTRIES, approximate=True)
+            pipe.xadd(self._log_key, {"remove": json.dumps(gone)})
             pipe.execute()
 
         self._using(delete, None, follow=False)
@@ -258,7 +257,8 @@ class RedisContentIndex:
             pipe.delete(self._rows_key)
             if encoded:
                 pipe.hset(self._rows_key, mapping=encoded)  # type: ignore[arg-type]
-            pipe.xadd(self._log_key, {"reset": "1"}, maxlen=LOG_ENTRIES, approximate=True)
+            pipe.delete(self._log_key)  # NOTE: compacted: the reset sends every mirror to the rows
+            pipe.xadd(self._log_key, {"reset": "1"})
             pipe.execute()
 
         self._using(replace, None, follow=False, strict=True)
@@ -287,6 +287,10 @@ class RedisContentIndex:
                 return f"content index {self._where}: {len(bad)} row(s) do not parse (e.g. chunk {bad[0]})"
             if self._client.exists(self._rows_key) and not self._client.exists(self._log_key):
                 return f"content index {self._where}: its change log {self._log_key} is missing"
+            entries = int(self._client.xlen(self._log_key))
+            if entries > LOG_ENTRIES:
+                return (f"content index {self._where}: its change log holds {entries} entries (more than "
+                        f"{LOG_ENTRIES}); a rebuild compacts it")
             return ""
 
         found = self._using(inspect, None, follow=False, warn=False)
@@ -331,13 +335,6 @@ class RedisContentIndex:
         """Forget the mirror (the next use reloads it); the connection is the store's."""
         with self._lock:
             self._mirror = _Mirror()
-
-
-def _after(a: str, b: str) -> bool:
-    """Whether stream id `a` comes after stream id `b` (`<ms>-<seq>`)."""
-    am, _, aseq = a.partition("-")
-    bm, _, bseq = b.partition("-")
-    return (int(am), int(aseq)) > (int(bm), int(bseq))
 
 
 __all__ = ["LOG_ENTRIES", "RedisContentIndex"]
