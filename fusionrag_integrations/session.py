@@ -11,7 +11,9 @@ callbacks), then hands the request to its `ReuseSession`, which owns everything 
 Learned caches live in `ReuseConfig.root`: `learned_dir` if given, else
 `<data_dir>/learned/<model fingerprint>` (`fusionrag_core.paths.learned_dir`), `data_dir`
 defaulting to the bound `FusionIndex`'s data directory, else `DEFAULT_DATA_DIR`: the same rule in
-both frameworks.
+both frameworks. When the KV store is a Redis store (shared by every process that opens it), they
+live in that Redis server instead (`fusionrag_core.reuse.shared_learned`, unless
+`ReuseConfig.share_learned` is off), so every server and replica reuses what any of them learned.
 
 Many threads share one session (and its engine): a request's values (options, sources, prompt)
 travel as arguments and locals, never as attributes; only texts and JSON-friendly statistics
@@ -24,9 +26,10 @@ import asyncio
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fusionrag_core.engine import FusionEngine, Generation
+from fusionrag_core.errors import CacheMismatchError, FusionRAGError, InvalidRequestError
 from fusionrag_core.paths import DEFAULT_DATA_DIR, learned_dir
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.stitch import Stitched
@@ -40,9 +43,18 @@ from fusionrag_core.reuse.learned import (
     SkippedLearning,
     open_learned,
 )
+from fusionrag_core.reuse.shared_learned import (
+    SharedLearnedCaches,
+    SkippedSharedLearning,
+    open_shared_learned,
+    redis_backend,
+)
 from fusionrag_core.reuse.sources import ReuseMonitor, ReuseSources, check_store_model
 from fusionrag_core.store import KVStore
 from fusionrag_integrations.request import RequestOptions
+
+if TYPE_CHECKING:
+    from fusionrag_core.store.redis import RedisKVStore
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,8 @@ class ReuseConfig:
         data_dir: data directory whose `learned/<model fingerprint>` holds the learned caches.
         learned_dir: the learned caches' own directory instead (None: under `data_dir`).
         max_bytes: bound of the learned caches in bytes; the least recently used go first.
+        share_learned: with a Redis KV store, keep learned caches in its server, shared by every
+            process that opens the store (False: under `data_dir`, this node's only).
 
     Raises:
         InvalidRequestError: `max_bytes` below 1.
@@ -64,6 +78,7 @@ class ReuseConfig:
     data_dir: str | Path = DEFAULT_DATA_DIR
     learned_dir: str | Path | None = None
     max_bytes: int = DEFAULT_MAX_BYTES
+    share_learned: bool = True
 
     def __post_init__(self) -> None:
         LearnConfig(max_bytes=self.max_bytes)  # NOTE: the core's bound check, at construction
@@ -96,6 +111,7 @@ class ReuseSession:
         self.config = config or ReuseConfig()
         self.monitor = ReuseMonitor(engine.name)
         self.skipped = SkippedLearning()
+        self.skipped_shared = SkippedSharedLearning()
         if store is not None:
             check_store_model(engine, store)
         self.learned()  # NOTE: opens the learned caches that exist, so another model's are refused now
@@ -115,6 +131,9 @@ class ReuseSession:
         """
         if not self.config.learn:
             return None
+        shared = redis_backend(self.store) if self.config.share_learned else None
+        if shared is not None:
+            return self._shared_learned(shared)
         root = self.learned_root
         if not create and not (root / "lru.sqlite").exists():
             return None
@@ -122,6 +141,17 @@ class ReuseSession:
             return open_learned(root, self.engine.fingerprint, LearnConfig(max_bytes=self.config.max_bytes))
         except STORAGE_ERRORS as e:
             self.skipped.report(root, e)
+            return None
+
+    def _shared_learned(self, corpus: RedisKVStore) -> SharedLearnedCaches | None:
+        """The learned caches in the corpus's Redis server; None while it cannot be reached (reported
+        once per cause by `skipped`, tried again at the next request)."""
+        try:
+            return open_shared_learned(corpus, self.engine.fingerprint, LearnConfig(max_bytes=self.config.max_bytes))
+        except FusionRAGError as e:
+            if isinstance(e, (CacheMismatchError, InvalidRequestError)):
+                raise
+            self.skipped_shared.report(f"Redis at {corpus!r}", e)
             return None
 
     def sources(self, options: RequestOptions) -> ReuseSources:

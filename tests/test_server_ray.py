@@ -4,8 +4,8 @@ Two replicas on a local Ray cluster (2 CPUs, loopback only) share a Chroma serve
 store (started here, on loopback) that the packaged model ingested a small corpus into. Their answers
 and reuse equal a single in-process server's; requests spread over both; a replica killed while
 requests run is replaced, every request succeeds within a few retries, and the corpus still verifies
-clean with every cache it had. Replicas do not find the ingested caches of a Redis store in a prompt
-yet (a strict xfail says why). The CLI flags are checked without starting Ray.
+clean with every cache it had. Both find the ingested caches of the Redis store in a prompt by content
+(its content index lives in Redis). The CLI flags are checked without starting Ray.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import FusionRAGError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest.config import IngestConfig
+from fusionrag_core.store import TierConfig
 from fusionrag_integrations.openai_server import ServerConfig, create_app, ray_serve
 from fusionrag_integrations.openai_server.ray_serve import (
     REPLICA_HEADER,
@@ -136,7 +137,8 @@ def test_two_replicas_answer_like_one_server(replicas: RayServeApp, corpus: Fusi
                                              default_engine: FusionEngine, tmp_path: Path) -> None:
     import openai
 
-    session = ReuseSession(default_engine, corpus.store, ReuseConfig(data_dir=tmp_path))
+    # NOTE: learned caches of its own (under tmp_path): the replicas' are shared through Redis
+    session = ReuseSession(default_engine, corpus.store, ReuseConfig(data_dir=tmp_path, share_learned=False))
     ray_client = openai.OpenAI(base_url=f"{replicas.url}/v1", api_key="unused", max_retries=0, timeout=120)
     reused = 0
     with running_app(create_app(session, ServerConfig())) as single, httpx.Client(base_url=single, timeout=120) as one:
@@ -159,14 +161,63 @@ def test_two_replicas_answer_like_one_server(replicas: RayServeApp, corpus: Fusi
 @ray_only
 @pytest.mark.slow
 @pytest.mark.servers
-@pytest.mark.xfail(strict=True, reason="a Redis KV store keeps no content index (content_index()): a prompt's "
-                   "ingested passages are not found in it by content (over HTTP there are no marks), only learned "
-                   "by a first request and reused from then on")
-def test_replicas_find_ingested_caches_in_the_redis_store(replicas: RayServeApp) -> None:
-    with httpx.Client(base_url=replicas.url, timeout=120) as client:
-        body = _chat("Where did the Corran guild meet?", UNSEEN)
-        stats = client.post("/v1/chat/completions", json=body).raise_for_status().json()["fusionrag"]
-    assert stats["cache_misses"] == 0 and stats["reused_tokens"] > 0, stats
+def test_replicas_find_ingested_caches_in_the_redis_store(replicas: RayServeApp, default_engine: FusionEngine,
+                                                          tmp_path: Path) -> None:
+    body = _chat("Where did the Corran guild meet?", UNSEEN, TEXTS[3])
+    # NOTE: the same passages in an embedded corpus (embedded Chroma, disk store), ingested alike
+    with FusionIndex.open(default_engine, tmp_path, config=CONFIG) as embedded:
+        embedded.add_texts([*TEXTS, UNSEEN], doc_ids=[*(f"t{i}" for i in range(len(TEXTS))), "unseen"])
+        session = ReuseSession(default_engine, embedded.store, ReuseConfig(data_dir=tmp_path, learn=False))
+        with running_app(create_app(session, ServerConfig())) as single, httpx.Client(base_url=single,
+                                                                                       timeout=120) as one:
+            expected = one.post("/v1/chat/completions", json=body).raise_for_status().json()["fusionrag"]
+    first = _first_answer_of_each_replica(replicas.url, body)
+    assert expected["cache_misses"] == 0 and expected["reused_tokens"] > 0, expected
+    for stats in first.values():  # NOTE: each replica's first ask: found by content, the embedded corpus's reuse
+        assert (stats["reused_tokens"], stats["cache_misses"]) == (expected["reused_tokens"], 0), (stats, expected)
+
+
+def _first_answer_of_each_replica(url: str, body: dict[str, Any], tries: int = 40) -> dict[str, dict[str, Any]]:
+    """Replica id -> the `fusionrag` stats of the first answer it gave to `body` (sent until both answered)."""
+    first: dict[str, dict[str, Any]] = {}
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for _ in range(tries):
+            r = client.post("/v1/chat/completions", json=body).raise_for_status()
+            first.setdefault(r.headers[REPLICA_HEADER], r.json()["fusionrag"])
+            if len(first) == 2:
+                return first
+    raise AssertionError(f"only {sorted(first)} answered {tries} requests")
+
+
+LEARNED = ("The Gull Point ferry ran twice a day from the stone quay at Marrow, and its captain, Hale Brannock, "
+           "kept a log of every storm that closed the crossing between the harbour and the lighthouse.")
+"""In no corpus: learned by the first replica that sees it."""
+ADDED = ("The Marrow harbour board bought the lighthouse clock's spare escapement in 1904, and kept it in the "
+         "tide office beside the quay until the lamp was electrified.")
+"""Ingested while the replicas run."""
+
+
+@ray_only
+@pytest.mark.slow
+@pytest.mark.servers
+def test_a_document_learned_by_one_replica_is_reused_by_the_other(replicas: RayServeApp, corpus: FusionIndex
+                                                                  ) -> None:
+    first = _first_answer_of_each_replica(replicas.url, _chat("Who kept the storm log?", LEARNED))
+    learner, other = sorted(first.values(), key=lambda stats: stats["reused_tokens"])
+    assert learner["reused_tokens"] == 0 and learner["cache_misses"] > 0, learner  # NOTE: learned here...
+    assert other["reused_tokens"] > 0 and other["cache_misses"] == 0, other  # NOTE: ...and reused on first sight
+    assert corpus.data_dir is not None
+    assert not list((corpus.data_dir / "learned").glob("*/lru.sqlite"))  # NOTE: in Redis, not on this node
+
+
+@ray_only
+@pytest.mark.slow
+@pytest.mark.servers
+def test_a_corpus_update_is_seen_by_both_replicas(replicas: RayServeApp, corpus: FusionIndex) -> None:
+    corpus.add_texts([ADDED], doc_ids=["added"])  # NOTE: the replicas started before this ingest
+    first = _first_answer_of_each_replica(replicas.url, _chat("When was the escapement bought?", ADDED))
+    for stats in first.values():
+        assert stats["cache_misses"] == 0 and stats["reused_tokens"] > 0, first
 
 
 @ray_only
@@ -276,7 +327,7 @@ def test_cli_serve_ray_passes_its_options_to_deploy(tmp_path: Path, monkeypatch:
     monkeypatch.chdir(tmp_path)
     argv = ["--db", "db", "--chroma-url", "http://127.0.0.1:9", "--redis-url", "redis://127.0.0.1:9/0",
             "--collection", "docs", "--model", "gemma3-270m", "serve", "--ray", "auto", "--replicas", "3",
-            "--threads-per-replica", "2", "--port", "8123", "--max-running", "2"]
+            "--threads-per-replica", "2", "--port", "8123", "--max-running", "2", "--cache-host-mb", "64"]
     assert main(argv, engine_factory=_no_engine) == 0
     [(spec, options)] = calls
     assert options == RayServeOptions(address="auto", replicas=3, threads_per_replica=2)
@@ -285,6 +336,7 @@ def test_cli_serve_ray_passes_its_options_to_deploy(tmp_path: Path, monkeypatch:
     assert (spec.chroma_url, spec.redis_url, spec.collection) == ("http://127.0.0.1:9", "redis://127.0.0.1:9/0",
                                                                   "docs")
     assert (spec.server.host, spec.server.port, spec.limits.max_running) == ("127.0.0.1", 8123, 2)
+    assert spec.tiers == TierConfig(device_bytes=0, host_bytes=64 << 20)  # NOTE: per replica
     with pytest.raises(AssertionError, match="gemma3-270m"):  # NOTE: each replica builds the --model engine
         spec.engine_factory()
 
@@ -294,6 +346,7 @@ def test_cli_serve_ray_passes_its_options_to_deploy(tmp_path: Path, monkeypatch:
     (["--threads-per-replica", "2"], "--threads-per-replica needs --ray"),
     (["--ray", "local", "--replicas", "0"], "expected a whole number >= 1"),
     (["--ray", "local", "--port", "0"], "fixed port"),
+    (["--cache-host-mb", "-1"], "MiB >= 0"),
 ])
 def test_cli_serve_ray_refuses_bad_options(extra: list[str], message: str, tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:

@@ -832,7 +832,7 @@ class Ingestor:
             return problem
         indexed = index.chunk_ids()
         lacking = sum(1 for cid, row in rows.items() if (row.text or "").strip() and cid not in indexed)
-        return f"content index {index.root} lacks the text of {lacking} chunk(s)" if lacking else ""
+        return f"content index {index.where} lacks the text of {lacking} chunk(s)" if lacking else ""
 
     def _rebuild_content_index(self) -> int:
         """Replace the content index by the collection's chunk texts; returns how many were indexed."""

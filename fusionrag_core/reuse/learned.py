@@ -34,7 +34,9 @@ from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.stitch import Stitched
 from fusionrag_core.recognise.content_index import ContentIndex
 from fusionrag_core.runtime.kv import ChunkKV
+from fusionrag_core.store.base import KVStore
 from fusionrag_core.store.codec import StorageDType
+from fusionrag_core.store.corpus_index import CorpusIndex
 from fusionrag_core.store.disk import DiskKVStore
 
 logger = logging.getLogger("fusionrag")
@@ -89,7 +91,7 @@ class SkippedLearning:
         self._causes: set[str] = set()
         self._lock = threading.Lock()
 
-    def report(self, root: Path, error: Exception) -> None:
+    def report(self, root: Path | str, error: Exception) -> None:
         """Log that caches under `root` were not kept (or not read) because of `error`, unless its cause was logged."""
         if isinstance(error, OSError) and error.errno is not None:
             cause = errno.errorcode.get(error.errno, str(error.errno))
@@ -109,6 +111,8 @@ class SkippedLearning:
 class LearnedCaches:
     """A bounded, LRU directory of caches learned from requests of one model.
 
+    (`reuse/shared_learned.py` keeps them in a shared Redis store instead, under the same rules.)
+
     Args:
         root: the directory (created if missing); one per model (see `paths.learned_dir`).
         fingerprint: the model's fingerprint; caches of other models are never stored here.
@@ -118,13 +122,17 @@ class LearnedCaches:
         CacheMismatchError: the directory holds caches another model learned.
     """
 
+    storage_errors: tuple[type[Exception], ...] = STORAGE_ERRORS
+    """What a write that the caches' storage cannot take raises (skipped, never the answer)."""
+
     def __init__(self, root: Path | str, fingerprint: str, config: LearnConfig | None = None) -> None:
         self.root = Path(root).expanduser().resolve()
         self.fingerprint = fingerprint
         self.config = config or LearnConfig()
         made = _missing_dirs(self.root / "kv")
         try:
-            self.store = DiskKVStore(self.root / "kv", storage_dtype=self.config.storage_dtype)
+            self._disk = DiskKVStore(self.root / "kv", storage_dtype=self.config.storage_dtype)
+            self.store: KVStore = self._disk
             found = self.store.stored_fingerprints()
             if found and fingerprint not in found:
                 raise CacheMismatchError(
@@ -139,7 +147,7 @@ class LearnedCaches:
             _remove_empty(made)  # NOTE: a directory a failed open made would make the next request open it
             raise
         self.skipped = SkippedLearning()
-        self.index = ContentIndex(self.root / "content")
+        self.index: CorpusIndex = ContentIndex(self.root / "content")
         self._lock = threading.Lock()
 
     def learn(self, prompt: FusionPrompt, st: Stitched) -> None:
@@ -164,15 +172,15 @@ class LearnedCaches:
             before = [c for c in seen[:seen.index(seg.chunk_id)] if c != seg.chunk_id]
             try:
                 self._put(seg.chunk_id, seg.text, kv, before)
-            except STORAGE_ERRORS as e:
-                self.skipped.report(self.root, e)
+            except self.storage_errors as e:
+                self.skipped.report(self.location, e)
                 return  # NOTE: the request's other caches would meet the same full disk
 
     def _put(self, chunk_id: str, text: str, kv: ChunkKV, neighbours: Sequence[str]) -> None:
         """Store one cache with its content-index and LRU rows; when any of the three fails, none stays."""
         self.store.put(chunk_id, kv)  # NOTE: atomic: a failed put leaves no file (`DiskKVStore.put`)
         try:
-            nbytes = self.store.path_for(chunk_id, kv.variant).stat().st_size
+            nbytes = self._disk.path_for(chunk_id, kv.variant).stat().st_size
             self.index.add([(chunk_id, text)], strict=True)  # NOTE: a blob no prompt can find is not kept
             with self._lock, self._db:
                 self._db.execute("INSERT OR REPLACE INTO learned VALUES (?, ?, ?, ?)",
@@ -221,8 +229,13 @@ class LearnedCaches:
             with self._lock, self._db:
                 self._db.executemany("UPDATE learned SET used = ? WHERE chunk_id = ?",
                                      [(now, c) for c in chunk_ids])
-        except STORAGE_ERRORS as e:
-            self.skipped.report(self.root, e)
+        except self.storage_errors as e:
+            self.skipped.report(self.location, e)
+
+    @property
+    def location(self) -> str:
+        """Where the caches live, for messages."""
+        return str(self.root)
 
     def neighbours(self, chunk_id: str) -> list[str]:
         """The chunk ids that came before this document in the prompt it was learned from."""

@@ -24,12 +24,13 @@ from fusionrag_core.errors import CacheMismatchError, CacheNotFoundError, Invali
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.tools import ToolRequest
 from fusionrag_core.query.unicode import require_unicode
-from fusionrag_core.recognise.content_index import ContentIndex, Match
+from fusionrag_core.recognise.content_index import Match
 from fusionrag_core.reuse.learned import LearnedCaches, content_id
 from fusionrag_core.reuse.spans import PARAGRAPH_BREAK, conversation_spans
 from fusionrag_core.runtime.compat import tokenize_plain
 from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.store.base import CacheSource, KVStore
+from fusionrag_core.store.corpus_index import CorpusIndex
 
 logger = logging.getLogger("fusionrag")
 
@@ -159,7 +160,7 @@ class ReuseSources(KVStore):
                 return part.quarantine(chunk_id, variant)
         return None  # NOTE: neither holds it any more: another request set it aside first
 
-    def content_index(self) -> ContentIndex | None:
+    def content_index(self) -> CorpusIndex | None:
         """The primary store's (the corpus's); learned caches keep an index of their own
         (`LearnedCaches.index`), which `find` reads as well."""
         return self.primary_index
@@ -308,8 +309,8 @@ def diagnose(prompt: FusionPrompt, generation: Generation, sources: ReuseSources
         return ("no KV store is attached and learning is off; pass index= or store= (the store ingest wrote), "
                 "or turn learning on")
     if sources.primary_index is None and not sources.learning:
-        return ("this KV store cannot find chunks by content (a Redis store keeps no content index); mark "
-                "chunks with format_docs / FusionChunkMarker, or use a disk store")
+        return ("this KV store cannot find chunks by content (it keeps no content index); mark "
+                "chunks with format_docs / FusionChunkMarker, or use a disk or Redis store")
     if sources.learning and sources.retrieved:
         # NOTE: the retriever ran and its documents were learnable: they are not in the prompt as returned.
         return (f"the context matches no stored chunk verbatim, and none of the {sources.retrieved} documents "

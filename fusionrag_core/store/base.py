@@ -15,7 +15,7 @@ from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.store.codec import StorageDType, storage_torch_dtype
 
 if TYPE_CHECKING:
-    from fusionrag_core.store.content_index import ContentIndex
+    from fusionrag_core.store.corpus_index import CorpusIndex
 
 CacheSource = Literal["device", "host", "store", "learned"]
 """Where a loaded cache came from (`KVStore.get_with_source`): a cache tier's device or host LRU, a
@@ -142,12 +142,13 @@ class KVStore(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot set a bad blob aside")
 
     @abstractmethod
-    def content_index(self) -> ContentIndex | None:
+    def content_index(self) -> CorpusIndex | None:
         """The index of this corpus's chunk texts, by which prompts find its stored chunks by content.
 
-        A part of the corpus its store provides (the disk store keeps one next to its caches); a
-        wrapper gives the one of the store it wraps. Every backend answers explicitly: None says
-        it keeps none, and its chunks are then found by marks (and learned caches) only.
+        A part of the corpus its store provides (the disk store keeps one next to its caches, the
+        Redis store one in Redis beside its caches); a wrapper gives the one of the store it wraps.
+        Every backend answers explicitly: None says it keeps none, and its chunks are then found by
+        marks (and learned caches) only.
 
         Returns:
             The same index at every call of one store object, or None.

@@ -59,6 +59,10 @@ ANCHOR_BITS = 5
 _LINE_START = 1
 _ANCHOR = 0
 _WHOLE = 2
+WHOLE_TEXT = _WHOLE
+"""The `kind` of a row indexing a chunk shorter than a window by the digest of its whole text."""
+Row = tuple[int, str, int, int, int, int]
+"""One index row: `(anchor hash, chunk id, anchor offset, text length, text digest, kind)`."""
 # NOTE: a fixed bound keeps opening an index constant-time at any size; a rebuild costs one sorted
 # read of the hashes, far less than the model passes that produced 16K chunk caches.
 _MAX_PENDING = 16384
@@ -248,6 +252,11 @@ class ContentIndex:
                 self._unreadable(e)
 
     @property
+    def where(self) -> str:
+        """Where the index lives, for messages: its directory."""
+        return str(self.root)
+
+    @property
     def read_only(self) -> bool:
         """Whether the index directory cannot be written (the index is then only read)."""
         return not os.access(self.root, os.W_OK)
@@ -339,7 +348,7 @@ class ContentIndex:
                 instead of skipping it with the warning: for a caller that must undo what it wrote
                 with the rows (a learned cache's blob).
         """
-        rows, short = _rows(entries)
+        rows, short = index_rows(entries)
         self.insert_rows(rows, strict=strict)
         return short
 
@@ -423,7 +432,7 @@ class ContentIndex:
                 return f"content index {self.root}: anchors.{self._generation}.i64 is not sorted"
             covered = np.fromiter((h for (h,) in db.execute(
                 "SELECT hash FROM anchors WHERE rowid <= ?", (self._covered,))), np.int64)
-            lacking = int(np.count_nonzero(~_member(covered, array)))
+            lacking = int(np.count_nonzero(~member(covered, array)))
             if lacking:
                 return f"content index {self.root}: anchors.{self._generation}.i64 lacks {lacking} indexed chunk(s)"
             return ""
@@ -443,7 +452,7 @@ class ContentIndex:
             FusionRAGError: the new index cannot be written (read-only directory, full disk); the
                 old one is left as it was.
         """
-        rows, _ = _rows(entries)
+        rows, _ = index_rows(entries)
         with self._lock:
             try:
                 try:
@@ -547,7 +556,7 @@ class ContentIndex:
             return []
 
         def lookup(db: sqlite3.Connection) -> tuple[np.ndarray, list[tuple[int, str, int, int, int, int]]]:
-            known = _member(hashes, self._array) | _member(hashes, self._pending)
+            known = member(hashes, self._array) | member(hashes, self._pending)
             hit_hashes = np.unique(hashes[known])
             rows = []
             for i in range(0, hit_hashes.shape[0], 500):
@@ -561,7 +570,7 @@ class ContentIndex:
         if found is None:
             return []
         known, rows = found
-        return _verified(text, positions[known], hashes[known], rows)
+        return verified_matches(text, positions[known], hashes[known], rows)
 
     def _find_whole(self, text: str) -> list[Match]:
         """`text`, whitespace-trimmed, as one short stored chunk (or nothing)."""
@@ -576,8 +585,9 @@ class ContentIndex:
         return [Match(start, start + len(stripped), row[0])]
 
 
-def _rows(entries: Iterable[tuple[str, str]]) -> tuple[list[tuple[int, str, int, int, int, int]], int]:
-    """The index rows of `(chunk_id, text)` pairs, and how many texts were blank (no row)."""
+def index_rows(entries: Iterable[tuple[str, str]]) -> tuple[list[Row], int]:
+    """The index rows `(hash, chunk_id, anchor offset, length, digest, kind)` of `(chunk_id, text)`
+    pairs, and how many texts were blank (no row): what every store's content index keeps."""
     rows, blank = [], 0
     for chunk_id, text in entries:
         anchor = chunk_anchor(text)
@@ -617,7 +627,7 @@ def _newest_array(root: Path) -> int:
     return max(generations, default=-1)
 
 
-def _member(values: np.ndarray, sorted_array: np.ndarray) -> np.ndarray:
+def member(values: np.ndarray, sorted_array: np.ndarray) -> np.ndarray:
     """`[A]` bool: which of `values` occur in `sorted_array` (binary search, no copy of the array)."""
     if sorted_array.shape[0] == 0:
         return np.zeros(values.shape[0], bool)
@@ -625,8 +635,7 @@ def _member(values: np.ndarray, sorted_array: np.ndarray) -> np.ndarray:
     return np.asarray(sorted_array[idx] == values)
 
 
-def _verified(text: str, positions: np.ndarray, hashes: np.ndarray,
-              rows: Sequence[tuple[int, str, int, int, int, int]]) -> list[Match]:
+def verified_matches(text: str, positions: np.ndarray, hashes: np.ndarray, rows: Sequence[Row]) -> list[Match]:
     """Candidates whose text at the implied place has the stored digest, overlaps resolved."""
     by_hash: dict[int, list[tuple[int, str, int, int, int, int]]] = {}
     for row in rows:
@@ -649,5 +658,5 @@ def _verified(text: str, positions: np.ndarray, hashes: np.ndarray,
 REBUILD_HINT = "`fusionrag verify` (FusionIndex.verify()) rebuilds it from the collection"
 """How a corpus's content index is repaired (named by its warnings)."""
 
-__all__ = ["ANCHOR_BITS", "ANCHOR_CHARS", "REBUILD_HINT", "Anchor", "ContentIndex", "Match", "chunk_anchor",
-           "prompt_probes", "text_digest", "window_hashes"]
+__all__ = ["ANCHOR_BITS", "ANCHOR_CHARS", "REBUILD_HINT", "WHOLE_TEXT", "Anchor", "ContentIndex", "Match", "Row",
+           "chunk_anchor", "index_rows", "member", "prompt_probes", "text_digest", "verified_matches", "window_hashes"]

@@ -4,7 +4,9 @@ Keys (with `ns` the namespace):
 
 * `ns:kv:<variant>:<chunk_id>` → blob bytes (see `fusionrag_core.store.codec`);
 * `ns:ids:<variant>` → set of chunk ids that have a blob of that variant (for `list_ids`,
-  so listing never SCANs the keyspace).
+  so listing never SCANs the keyspace);
+* `ns:content:*` → the content index of the chunk texts (`redis_content_index.RedisContentIndex`),
+  shared by every process and replica that opens the store.
 
 Blob and index entry are written/removed together in one MULTI/EXEC transaction.
 
@@ -40,6 +42,7 @@ from fusionrag_core.store.codec import (
     validate_chunk_id,
     validate_variant,
 )
+from fusionrag_core.store.redis_content_index import RedisContentIndex
 
 _QUARANTINE_TTL_S = 7 * 24 * 3600
 
@@ -95,6 +98,7 @@ class RedisKVStore(KVStore):
             ) from e
         with self._errors("connect to"):
             self._client.ping()
+        self._content = RedisContentIndex(self._client, namespace, _redact(url))
 
     @contextlib.contextmanager
     def _errors(self, action: str) -> Iterator[None]:
@@ -106,6 +110,15 @@ class RedisKVStore(KVStore):
                 f"could not {action} Redis at {_redact(self.url)} ({type(e).__name__}: {e}); "
                 "check that redis-server is running and the URL (host, port, db, password) is right"
             ) from e
+
+    def blob_key(self, chunk_id: str, variant: Variant) -> str:
+        """The key of the blob of `(chunk_id, variant)` (whether or not it exists)."""
+        return self._key(chunk_id, variant)
+
+    @property
+    def client(self) -> redis.Redis:
+        """The Redis client (its connection pool): for what keeps state beside the blobs."""
+        return self._client
 
     def _key(self, chunk_id: str, variant: Variant) -> str:
         validate_chunk_id(chunk_id)
@@ -220,10 +233,11 @@ class RedisKVStore(KVStore):
                     found.add(fingerprint)
         return found
 
-    def content_index(self) -> None:
-        """None: a Redis store keeps no content index yet; its chunks are found by marks (and learned
-        caches) only."""
-        return None
+    def content_index(self) -> RedisContentIndex:
+        """The index of the chunk texts, kept in Redis beside the caches (`ns:content:*`): every
+        process that opens the store finds its chunks by content, and sees chunks another one
+        ingests at its next lookup."""
+        return self._content
 
     def close(self) -> None:
         self._client.close()

@@ -26,7 +26,7 @@ import torch
 
 from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.store.base import CacheSource, KVStore
-from fusionrag_core.store.content_index import ContentIndex
+from fusionrag_core.store.corpus_index import CorpusIndex
 
 TIERS: tuple[CacheSource, ...] = ("device", "host", "store")
 
@@ -231,7 +231,7 @@ class TieredKVStore(KVStore):
         self._forget(chunk_id, (variant,))
         return self.inner.quarantine(chunk_id, variant)
 
-    def content_index(self) -> ContentIndex | None:
+    def content_index(self) -> CorpusIndex | None:
         """The inner store's: the tiers hold caches, never chunk texts."""
         return self.inner.content_index()
 

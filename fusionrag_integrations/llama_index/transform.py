@@ -159,7 +159,7 @@ class FusionKVTransform(TransformComponent):
         kept = _rename(nodes, [chunk_id(text, engine.fingerprint, _CHUNKING) for text in texts])
         # NOTE: every kept node, cached now or before: the standard query engine's prompts then find
         # the chunks by their text (recognise.py), with no marker in the pipeline.
-        content = store.content_index()  # NOTE: None for a store that keeps none (Redis): marks find them there
+        content = store.content_index()  # NOTE: None for a store that keeps none: marks find them there
         if content is not None:
             content.add([(node.node_id, _chunk_text(node)) for node in kept])
         fused = self.fuse and self.neighbours > 0

@@ -18,6 +18,7 @@ from fusionrag_core.cli import Command, open_index, positive_int
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.paths import chroma_dir
+from fusionrag_core.store import KVStore, TierConfig
 from fusionrag_integrations.openai_server.config import API_KEY_ENV, LOOPBACK, ServerConfig
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
 
@@ -54,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="on SIGTERM or Ctrl-C, how long requests in flight may run on before they are cancelled "
                              f"(default: {defaults.shutdown_timeout_s})")
+    parser.add_argument("--cache-device-mb", type=mebibytes, default=0, metavar="MB",
+                        help="MiB of decoded chunk caches kept on the model's device in front of the KV store, per "
+                             "server or replica (default: 0, none)")
+    parser.add_argument("--cache-host-mb", type=mebibytes, default=0, metavar="MB",
+                        help="MiB of decoded chunk caches kept in host memory in front of the KV store, per server or "
+                             "replica, so a hot chunk is read from Redis once, not once per request (default: 0)")
     ray = parser.add_argument_group("scale-out on Ray Serve")
     ray.add_argument("--ray", metavar="local|ADDRESS",
                      help="serve --replicas replicas behind one route on Ray Serve: 'local' starts a one-machine "
@@ -66,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="with --ray: CPUs (torch threads) per replica (default: 1)")
 
 
+def mebibytes(text: str) -> int:
+    """A byte budget in MiB on the command line: a whole number >= 0."""
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number of MiB >= 0, got {text!r}")
+    return int(text)
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """The command line as a ServerConfig; the API key from --api-key, else the environment; the
     global --selector and --ratio as every request's selection."""
@@ -74,6 +88,13 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         selector=getattr(args, "selector", None), ratio=getattr(args, "ratio", None),
                         header_read_timeout_s=args.header_timeout, body_read_timeout_s=args.body_timeout,
                         shutdown_timeout_s=args.shutdown_timeout)
+
+
+def cache_tiers(args: argparse.Namespace) -> TierConfig | None:
+    """--cache-device-mb and --cache-host-mb as tier budgets; None when both are 0."""
+    if not (args.cache_device_mb or args.cache_host_mb):
+        return None
+    return TierConfig(device_bytes=args.cache_device_mb << 20, host_bytes=args.cache_host_mb << 20)
 
 
 def scheduler_limits(args: argparse.Namespace) -> SchedulerConfig:
@@ -88,9 +109,12 @@ def scheduler_limits(args: argparse.Namespace) -> SchedulerConfig:
 def session_for(args: argparse.Namespace, engine: FusionEngine) -> ReuseSession:
     """The session the server answers with: the --db corpus's KV store (when there is one) and
     learned caches under --db."""
-    store = None
+    store: KVStore | None = None
     if args.chroma_url is not None or chroma_dir(args.db).is_dir():
         store = open_index(args, engine).store
+        tiers = cache_tiers(args)
+        if tiers is not None:
+            store = tiers.wrap(store, device=engine.device, dtype=engine.decoder.dtype)
     else:
         logger.warning("no corpus in %s: serving without ingested caches (learned caches only); run "
                        "`fusionrag ingest` to add one", args.db)
@@ -117,7 +141,7 @@ def replica_spec(args: argparse.Namespace, engine: Callable[[], FusionEngine], c
     # NOTE: absolute: replicas run in other working directories (and on other machines).
     return ReplicaSpec(engine_factory=engine, data_dir=str(Path(args.db).expanduser().resolve()),
                        chroma_url=args.chroma_url, redis_url=args.redis_url, collection=args.collection,
-                       server=config, limits=scheduler_limits(args))
+                       server=config, limits=scheduler_limits(args), tiers=cache_tiers(args))
 
 
 def ray_options(args: argparse.Namespace) -> RayServeOptions | None:

@@ -11,12 +11,14 @@ reaches: Redis, or a directory every node mounts) and serves `create_app(session
 proxy spreads requests over the replicas and names the one that answered in `REPLICA_HEADER`. Serve's
 controller replaces a replica whose actor dies: the requests that replica held fail (clients retry
 them, as OpenAI clients do), the others go to the live replicas. Replicas only read the corpus's
-caches (writing them stays `fusionrag ingest`'s and `verify`'s); each node's replicas share the
-learned caches under `data_dir` (SQLite and atomic blob writes: safe for several processes).
+caches (writing them stays `fusionrag ingest`'s and `verify`'s). Learned caches are shared by every
+replica through a Redis store (`reuse/shared_learned.py`); over a disk store, by each node's replicas
+under `data_dir` (SQLite and atomic blob writes: safe for several processes). `ReplicaSpec.tiers`
+puts a device and a host LRU in front of the shared store in each replica.
 
-NOTE: a prompt's passages are found by content through the store's content index, which disk stores
-keep and Redis stores do not yet (`KVStore.content_index()`): on a Redis store the replicas find
-no ingested cache in a prompt, learn the passages on first sight and reuse them from then on.
+A prompt's passages are found by content through the store's content index (`KVStore.content_index()`):
+a Redis store keeps it in Redis beside the caches, and every replica follows its changes at each
+lookup, so a replica started before an ingest finds the new chunks without a restart.
 
 Ray Serve is an optional dependency (`pip install 'fusionrag[serve-ray]'`; tested with 2.60), imported
 when `deploy` runs.
@@ -45,6 +47,7 @@ from fusionrag_core.errors import FusionRAGError, InvalidRequestError
 from fusionrag_core.index import FusionIndex
 from fusionrag_core.ingest.distributed import start_local_cluster
 from fusionrag_core.paths import DEFAULT_COLLECTION
+from fusionrag_core.store import TierConfig
 from fusionrag_integrations.openai_server.app import create_app
 from fusionrag_integrations.openai_server.config import LOOPBACK, ServerConfig
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
@@ -69,6 +72,8 @@ class ReplicaSpec:
         server: the routes' limits and API key; `host:port` is where Serve's proxy listens.
         limits: each replica's scheduler limits (`max_running`, `max_waiting`): its one admission point.
         learn: whether replicas learn caches from their requests.
+        tiers: each replica's device and host LRU of decoded caches in front of the shared store
+            (None: none), so a hot chunk is read from it once per replica; hits per tier in `/metrics`.
 
     Raises:
         InvalidRequestError: `server.port` is 0 (Serve's proxy needs a port clients can be told).
@@ -82,6 +87,7 @@ class ReplicaSpec:
     server: ServerConfig = field(default_factory=ServerConfig)
     limits: SchedulerConfig = field(default_factory=SchedulerConfig)
     learn: bool = True
+    tiers: TierConfig | None = None
 
     def __post_init__(self) -> None:
         if self.server.port == 0:
@@ -163,7 +169,7 @@ def _open_corpus(spec: ReplicaSpec, engine: FusionEngine) -> FusionIndex | None:
     if spec.chroma_url is None:
         return None
     index = FusionIndex.open(engine, spec.data_dir, chroma_url=spec.chroma_url, redis_url=spec.redis_url,
-                             collection_name=spec.collection)
+                             collection_name=spec.collection, tiers=spec.tiers)
     sample = index.collection.get(limit=1, include=[])["ids"]
     if sample and not any(index.store.has(sample[0], v) for v in _VARIANTS):  # type: ignore[arg-type]
         index.close()
