@@ -28,6 +28,7 @@ from typing import Any
 
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.paths import DEFAULT_DATA_DIR, learned_dir
+from fusionrag_core.query.logprobs import with_text
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.stitch import Stitched
 from fusionrag_core.query.tools import ToolRequest
@@ -169,7 +170,7 @@ class ReuseSession:
         for piece in stream:
             text = clean_output(piece)
             if text:
-                yield text
+                yield with_text(piece, text)
         generation = stream.result
         assert generation is not None  # NOTE: set by GenerationStream once exhausted
         if not options.full_attention:
@@ -185,7 +186,7 @@ class ReuseSession:
         async for piece in stream:
             text = clean_output(piece)
             if text:
-                yield text
+                yield with_text(piece, text)
         generation = stream.result
         assert generation is not None  # NOTE: set by AsyncGenerationStream once exhausted
         if not options.full_attention:

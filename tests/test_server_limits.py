@@ -293,7 +293,6 @@ def test_prompt_and_budget_over_the_context_window_is_400(serve: Serve, one_laye
     ({"messages": USER, "temperature": 0, "frobnicate": 1}, "frobnicate"),
     ({"messages": [{"role": "user", "content": "hi", "colour": "red"}]}, "colour"),
     ({"messages": USER, "n": 2}, "n=2"),
-    ({"messages": USER, "logprobs": True}, "logprobs"),
     ({"messages": USER, "frequency_penalty": 0.5}, "frequency_penalty"),
     ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
     ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
@@ -315,7 +314,6 @@ def test_unsupported_request_is_400_naming_it(serve: Serve, body: dict[str, Any]
 
 @pytest.mark.parametrize(("body", "named"), [
     ({"prompt": "Once", "n": 2}, "n=2"),
-    ({"prompt": "Once", "logprobs": 1}, "logprobs"),
     ({"prompt": "Once", "echo": True}, "echo"),
     ({"prompt": "Once", "suffix": "end"}, "suffix"),
     ({"prompt": "Once", "best_of": 2}, "best_of"),

@@ -26,7 +26,7 @@ import hmac
 import json
 import logging
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, NamedTuple
 
@@ -41,11 +41,13 @@ from starlette.types import Message, Receive, Scope, Send
 
 from fusionrag_core.engine import Generation
 from fusionrag_core.errors import ContextLengthError, InvalidRequestError, OverloadedError
+from fusionrag_core.query.logprobs import TokenLogprob, piece_logprobs
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.tools import InvalidToolCall, ToolCall, asplit_calls
 from fusionrag_core.query.unicode import not_unicode_at
 from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_integrations.fields import bound_tools
+from fusionrag_integrations.logprobs import chat_logprobs, completion_logprobs
 from fusionrag_integrations.openai_server.config import ServerConfig
 from fusionrag_integrations.openai_server.metrics import Metrics
 from fusionrag_integrations.openai_server.protocol import (
@@ -140,7 +142,7 @@ class _Server:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check(body)
         tools = bound_tools({"tools": body.tools, "tool_choice": body.tool_choice,
-                             "parallel_tool_calls": body.parallel_tool_calls})
+                             "parallel_tool_calls": body.parallel_calls()})
         options = RequestOptions.from_values(self._values(body), response_format=body.response_format_value(),
                                              tools=tools)
         messages = body.chat_messages()
@@ -193,6 +195,8 @@ class _Stream:
         self.exits = AsyncExitStack()
         self.calls: list[ToolCall] = []
         self.invalid: list[InvalidToolCall] = []
+        self.logprobs_sent = 0  # NOTE: tokens whose logprobs a stream chunk has carried
+        self.chars_sent = 0  # NOTE: text a completion stream has sent (where its next token's text starts)
 
     async def respond(self, request: Request, options: RequestOptions,
                       prompt: Callable[[ReuseSources], FusionPrompt], streaming: bool) -> Response:
@@ -265,14 +269,15 @@ class _Stream:
         self._finished(generation)
         content = "".join(text)
         if self.endpoint == "completion":
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": generation.finish_reason}
+            choice = {"index": 0, "text": content, "logprobs": self._logprobs(generation.logprobs),
+                      "finish_reason": generation.finish_reason}
             return self.envelope.wrap("text_completion", [choice], usage=usage(generation),
                                       fusionrag=fusionrag_stats(generation, self.invalid))
         calls: list[ToolCall | InvalidToolCall] = [*self.calls, *self.invalid]
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = [tool_call_dict(c) for c in calls]
-        choice = {"index": 0, "message": message, "logprobs": None,
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(generation.logprobs),
                   "finish_reason": finish_reason(generation, self.calls, self.invalid)}
         return self.envelope.wrap("chat.completion", [choice], usage=usage(generation),
                                   fusionrag=fusionrag_stats(generation, self.invalid))
@@ -282,6 +287,9 @@ class _Stream:
             yield sse(self._chunk({"role": "assistant", "content": ""}))
         async for piece in self._pieces(request, pieces, first):
             if isinstance(piece, Generation):
+                if piece.logprobs is not None and len(piece.logprobs) > self.logprobs_sent:
+                    # NOTE: tokens whose text never reached a piece (a stop string, marks removed, a tool call)
+                    yield sse(self._chunk(self._delta(""), logprobs=piece.logprobs[self.logprobs_sent:]))
                 yield self._finish_event(piece)
                 if self.include_usage:
                     yield sse(self.envelope.wrap(self._kind, [], usage=usage(piece),
@@ -290,18 +298,32 @@ class _Stream:
             elif isinstance(piece, ToolCall | InvalidToolCall):
                 yield sse(self._chunk({"tool_calls": [self._call_delta(piece)]}))
             else:
-                yield sse(self._chunk(self._delta(self._text_of(piece))))
+                yield sse(self._chunk(self._delta(self._text_of(piece)), logprobs=piece_logprobs(piece)))
 
     @property
     def _kind(self) -> str:
         return "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
 
-    def _chunk(self, delta: dict[str, Any] | str, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any] | str, finish: str | None = None,
+               logprobs: Sequence[TokenLogprob] = (), **extra: Any) -> dict[str, Any]:
+        """A stream chunk; `logprobs` are those of the tokens decoded since the previous chunk."""
+        shown = self._logprobs(logprobs) if logprobs else None
+        self.logprobs_sent += len(logprobs)
         if self.endpoint == "chat":
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": shown, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": delta, "logprobs": shown, "finish_reason": finish}
+            self.chars_sent += len(delta) if isinstance(delta, str) else 0
         return self.envelope.wrap(self._kind, [choice], **extra)
+
+    def _logprobs(self, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+        """A choice's `logprobs` in the endpoint's shape (None: not asked for)."""
+        if entries is None:
+            return None
+        tokenizer = self.server.session.engine.tokenizer
+        if self.endpoint == "chat":
+            return chat_logprobs(entries, tokenizer)
+        return completion_logprobs(entries, tokenizer, text_offset=self.chars_sent)
 
     def _delta(self, text: str) -> dict[str, Any] | str:
         return {"content": text} if self.endpoint == "chat" else text
