@@ -197,3 +197,65 @@ def test_parallel_tool_calls_defaults_to_true_as_openais() -> None:
     assert ChatCompletionRequest(messages=USER, tools=[tool]).parallel_calls() is True
     assert ChatCompletionRequest(messages=USER, tools=[tool], parallel_tool_calls=False).parallel_calls() is False
     assert ChatCompletionRequest(messages=USER).parallel_calls() is None
+
+
+# ---- /tokenize, /detokenize -------------------------------------------------------------------------------
+def test_tokenize_counts_what_a_generation_reports(http: httpx.Client, client: openai.OpenAI) -> None:
+    for path_body, generated in (
+        ({"messages": USER}, client.chat.completions.create(model="tiny-llama", messages=USER, max_tokens=1)),
+        ({"prompt": "The lighthouse"}, client.completions.create(model="tiny-llama", prompt="The lighthouse",
+                                                                 max_tokens=1)),
+    ):
+        response = http.post("/tokenize", json={**path_body, "return_token_strs": True})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert generated.usage is not None and body["count"] == generated.usage.prompt_tokens == len(body["tokens"])
+        assert len(body["token_strs"]) == body["count"] and body["max_model_len"] > body["count"]
+        back = http.post("/detokenize", json={"tokens": body["tokens"]}).json()["prompt"]
+        assert "Say something about lighthouses." in back or "The lighthouse" in back
+
+
+@pytest.mark.parametrize(("path", "body", "named"), [
+    ("/tokenize", {"prompt": "a", "messages": USER}, "either prompt"),
+    ("/tokenize", {}, "either prompt"),
+    ("/tokenize", {"messages": USER, "add_generation_prompt": False}, "add_generation_prompt"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": True}, "add_special_tokens"),
+    ("/detokenize", {"tokens": [1, -1]}, "tokens[1]"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens[0]"),
+])
+def test_token_routes_refuse_what_they_do_not_do(http: httpx.Client, path: str, body: dict[str, Any],
+                                                 named: str) -> None:
+    response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert named in response.json()["error"]["message"]
+
+
+# ---- /v1/embeddings -----------------------------------------------------------------------------------------
+def test_embeddings_are_the_corpus_models(client: openai.OpenAI, http: httpx.Client) -> None:
+    from fusionrag_core.ingest.chroma import EMBEDDING_ID, default_embedding_function
+
+    texts = ["The Lumen lighthouse was designed by Ada Vell.", "Ada Vell was born in Marrow."]
+    expected = default_embedding_function()(texts)
+    by_sdk = client.embeddings.create(model=EMBEDDING_ID, input=texts)  # NOTE: the SDK asks for base64
+    as_floats = http.post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": texts[0],
+                                                  "encoding_format": "float"}).json()
+    assert [d.index for d in by_sdk.data] == [0, 1] and by_sdk.model == EMBEDDING_ID
+    for got, want in zip(by_sdk.data, expected, strict=True):
+        assert got.embedding == pytest.approx(list(want), abs=1e-6)
+    assert as_floats["data"][0]["embedding"] == pytest.approx(list(expected[0]), abs=1e-6)
+    assert by_sdk.usage.prompt_tokens == by_sdk.usage.total_tokens > as_floats["usage"]["prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize(("body", "status", "named"), [
+    ({"model": "text-embedding-3-small", "input": "x"}, 404, "all-MiniLM-L6-v2"),
+    ({"model": "all-MiniLM-L6-v2", "input": [[1, 2, 3]]}, 400, "token ids"),
+    ({"model": "all-MiniLM-L6-v2", "input": ""}, 400, "input[0] is empty"),
+    ({"model": "all-MiniLM-L6-v2", "input": "x", "dimensions": 64}, 400, "dimensions"),
+    ({"model": "all-MiniLM-L6-v2", "input": "word " * 400}, 400, "split the text"),
+    ({"model": "all-MiniLM-L6-v2", "input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+])
+def test_embeddings_refuse_what_they_do_not_do(http: httpx.Client, body: dict[str, Any], status: int,
+                                               named: str) -> None:
+    response = http.post("/v1/embeddings", json=body)
+    assert response.status_code == status, response.text
+    assert named in response.json()["error"]["message"]

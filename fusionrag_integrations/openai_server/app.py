@@ -3,6 +3,8 @@ learned caches).
 
     POST /v1/chat/completions   chat (SSE when `stream`), tools, response_format
     POST /v1/completions        raw text continued (SSE when `stream`)
+    POST /v1/embeddings         the corpus's embedding model (embeddings.py)
+    POST /tokenize, /detokenize vLLM's token routes (tokenize.py)
     GET  /v1/models             the one served model
     GET  /health                liveness
     GET  /metrics               Prometheus text (metrics.py)
@@ -49,6 +51,8 @@ from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_integrations.fields import bound_tools
 from fusionrag_integrations.logprobs import chat_logprobs, completion_logprobs
 from fusionrag_integrations.openai_server.config import ServerConfig
+from fusionrag_integrations.openai_server.embeddings import embeddings_route
+from fusionrag_integrations.openai_server.errors import HTTPError
 from fusionrag_integrations.openai_server.metrics import Metrics
 from fusionrag_integrations.openai_server.protocol import (
     ChatCompletionRequest,
@@ -60,6 +64,7 @@ from fusionrag_integrations.openai_server.protocol import (
     tool_call_dict,
     usage,
 )
+from fusionrag_integrations.openai_server.tokenize import detokenize_route, tokenize_route
 from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.session import ReuseSession
 
@@ -67,20 +72,6 @@ logger = logging.getLogger(__name__)
 Piece = str | ToolCall | InvalidToolCall | Generation
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 """Metric label of each generation route."""
-
-
-class HTTPError(HTTPException):
-    """An error answered with `status` and OpenAI's error body.
-
-    NOTE: a Starlette HTTPException, so FastAPI passes one raised while it reads the body (the
-    streamed body limit) through to its handler instead of answering a generic 400.
-    """
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
-        super().__init__(status, message, headers or {})
-        self.status, self.message, self.kind, self.code, self.headers = status, message, kind, code, headers or {}
-        self.param = param
 
 
 def create_app(session: ReuseSession, config: ServerConfig | None = None) -> FastAPI:
@@ -102,6 +93,9 @@ def create_app(session: ReuseSession, config: ServerConfig | None = None) -> Fas
     app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/completions", server.completion, methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/embeddings", embeddings_route(), methods=["POST"], dependencies=auth)
+    app.add_api_route("/tokenize", tokenize_route(session), methods=["POST"], dependencies=auth)
+    app.add_api_route("/detokenize", detokenize_route(session), methods=["POST"], dependencies=auth)
     return app
 
 
