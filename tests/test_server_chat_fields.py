@@ -259,3 +259,55 @@ def test_embeddings_refuse_what_they_do_not_do(http: httpx.Client, body: dict[st
     response = http.post("/v1/embeddings", json=body)
     assert response.status_code == status, response.text
     assert named in response.json()["error"]["message"]
+
+
+# ---- n choices ------------------------------------------------------------------------------------------------
+def test_n_choices_equal_separate_requests_of_consecutive_seeds(client: openai.OpenAI, session: ReuseSession) -> None:
+    response = client.chat.completions.create(model="tiny-llama", messages=USER, max_tokens=6, temperature=1.0,
+                                              seed=21, n=3, logprobs=True)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    locals_ = [in_process(session, USER, max_new_tokens=6, temperature=1.0, seed=21 + i) for i in range(3)]
+    assert [c.message.content for c in response.choices] == [g.text for g in locals_]
+    assert all(c.logprobs is not None and c.logprobs.content is not None and
+               len(c.logprobs.content) == len(g.token_ids) for c, g in zip(response.choices, locals_, strict=True))
+    assert response.usage is not None
+    assert response.usage.prompt_tokens == locals_[0].prompt_tokens  # NOTE: one prompt, counted once
+    assert response.usage.completion_tokens == sum(len(g.token_ids) for g in locals_)
+
+
+def test_streamed_choices_are_the_whole_ones(client: openai.OpenAI) -> None:
+    body: Any = {"model": "tiny-llama", "messages": USER, "max_tokens": 6, "temperature": 1.0, "seed": 5, "n": 2}
+    whole = client.chat.completions.create(**body)
+    texts, finished, usage = {0: "", 1: ""}, set(), None
+    for chunk in client.chat.completions.create(**body, stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason is not None:
+                finished.add(c.index)
+        usage = chunk.usage or usage
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices] and finished == {0, 1}
+    assert usage is not None and whole.usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_choices(client: openai.OpenAI, stream: bool) -> None:
+    body: Any = {"model": "tiny-llama", "prompt": "The lighthouse", "max_tokens": 5, "temperature": 1.0, "seed": 8,
+                 "n": 2}
+    if stream:
+        texts = {0: "", 1: ""}
+        for chunk in client.completions.create(**body, stream=True):
+            for c in chunk.choices:
+                texts[c.index] += c.text
+        got = [texts[0], texts[1]]
+    else:
+        got = [c.text for c in client.completions.create(**body).choices]
+    single = [client.completions.create(**{**body, "n": 1, "seed": 8 + i}).choices[0].text for i in range(2)]
+    assert got == single
+
+
+def test_more_choices_than_running_slots_is_400(http: httpx.Client) -> None:
+    response = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "n": 100})
+    assert response.status_code == 400, response.text
+    assert "max_running" in response.json()["error"]["message"]
+    after = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "n": 2})
+    assert after.status_code == 200 and len(after.json()["choices"]) == 2

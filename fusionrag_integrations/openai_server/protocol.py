@@ -13,6 +13,7 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -34,6 +35,8 @@ _RANGES = {"temperature": (0.0, 2.0, "[]"), "top_p": (0.0, 1.0, "(]"), "frequenc
 """OpenAI's range of each sampling number (vLLM's for its extra fields `min_p` and `repetition_penalty`):
 low, high, and whether each end is in it ("[" in, "(" out).
 NOTE: top_p 0 would be greedy; here it is refused (the core's `SamplingConfig` takes (0, 1])."""
+MAX_CHOICES = 128
+"""Most choices (`n`) one request may ask for: OpenAI's limit (the engine's `max_running` may be lower)."""
 MAX_COMPLETION_LOGPROBS = 5
 """Most alternatives per token `/v1/completions` reports (`logprobs`): OpenAI's limit."""
 
@@ -51,7 +54,8 @@ class _Request(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    """Choices: one prompt prepared once and decoded n times (the engine's `max_running` at most)."""
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     user: str | None = None
@@ -86,10 +90,8 @@ class _Request(BaseModel):
         """Refuse what is set but not done here.
 
         Raises:
-            InvalidRequestError: n > 1, OpenAI's penalties (vLLM's `repetition_penalty` is done).
+            InvalidRequestError: OpenAI's penalties (vLLM's `repetition_penalty` is done).
         """
-        if self.n != 1:
-            raise InvalidRequestError(f"n={self.n} is not supported: one choice per request (n=1)")
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
                 raise InvalidRequestError(f"{name} is not supported (only 0); use repetition_penalty (vLLM's "
@@ -266,13 +268,15 @@ def _text(i: int, content: Any) -> str:
 
 
 # ---- responses --------------------------------------------------------------------------------------
-def usage(generation: Generation) -> dict[str, Any]:
-    """OpenAI's usage, with the prompt tokens served from a cache (reused chunk tokens and the
-    prefix cache) as `prompt_tokens_details.cached_tokens`."""
-    completion = len(generation.token_ids)
-    return {"prompt_tokens": generation.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": generation.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": generation.reused_tokens + generation.prefix_cached_tokens}}
+def usage(generations: Sequence[Generation]) -> dict[str, Any]:
+    """OpenAI's usage of a request's choices (their one prompt counted once, every choice's tokens
+    generated), with the prompt tokens served from a cache (reused chunk tokens and the prefix cache)
+    as `prompt_tokens_details.cached_tokens`."""
+    prompt = generations[0]
+    completion = sum(len(g.token_ids) for g in generations)
+    return {"prompt_tokens": prompt.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": prompt.reused_tokens + prompt.prefix_cached_tokens}}
 
 
 def fusionrag_stats(generation: Generation, invalid: list[InvalidToolCall]) -> dict[str, Any]:
