@@ -10,6 +10,7 @@ in-process session's for the same request, so nothing is compared with a hard-co
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -311,3 +312,17 @@ def test_more_choices_than_running_slots_is_400(http: httpx.Client) -> None:
     assert "max_running" in response.json()["error"]["message"]
     after = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "n": 2})
     assert after.status_code == 200 and len(after.json()["choices"]) == 2
+
+
+def test_a_client_that_leaves_a_streamed_n_request_frees_every_slot(http: httpx.Client, session: ReuseSession) -> None:
+    body = {"messages": USER, "max_tokens": 200, "temperature": 1.0, "n": 3, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert any('"index": 2' in line for line, _ in zip(lines, range(20), strict=False))
+    scheduler = session.engine.scheduler
+    assert scheduler is not None
+    deadline = time.monotonic() + 30
+    while scheduler.load["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scheduler.load["running"] == 0

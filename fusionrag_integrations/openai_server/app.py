@@ -436,6 +436,8 @@ async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
     finally:
         for task in tasks:
             task.cancel()
+        # NOTE: a choice's generator still in a cancelled pump could not be closed by the request's exits
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _disconnected(request: Request) -> None:
