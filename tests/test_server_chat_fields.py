@@ -193,11 +193,16 @@ def test_strict_closes_the_schemas_objects(client: openai.OpenAI) -> None:
     assert closed is strict_grammar  # NOTE: strict compiles the closed schema (one cached grammar)
 
 
-def test_parallel_tool_calls_defaults_to_true_as_openais() -> None:
+def test_parallel_tool_calls_defaults_as_openais() -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     assert ChatCompletionRequest(messages=USER, tools=[tool]).parallel_calls() is True
     assert ChatCompletionRequest(messages=USER, tools=[tool], parallel_tool_calls=False).parallel_calls() is False
     assert ChatCompletionRequest(messages=USER).parallel_calls() is None
+    named = {"type": "function", "function": {"name": "f"}}
+    assert ChatCompletionRequest(messages=USER, tools=[tool], tool_choice=named).parallel_calls() is False
+    assert ChatCompletionRequest(messages=USER, tools=[tool], tool_choice=named,
+                                 parallel_tool_calls=True).parallel_calls() is True
+    assert ChatCompletionRequest(messages=USER, tools=[tool], tool_choice="required").parallel_calls() is True
 
 
 # ---- /tokenize, /detokenize -------------------------------------------------------------------------------

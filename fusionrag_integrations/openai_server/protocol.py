@@ -138,9 +138,11 @@ class ChatCompletionRequest(_Request):
 
     def parallel_calls(self) -> bool | None:
         """`parallel_tool_calls`, defaulting as OpenAI's does: several calls may follow one another
-        when tools are bound and the request does not say (None without tools)."""
+        when tools are bound and the request does not say, except under a `tool_choice` naming one
+        function, which forces one call of it (as OpenAI answers it); None without tools. A value
+        the request gives is always honoured."""
         if self.parallel_tool_calls is None and self.tools:
-            return True
+            return not isinstance(self.tool_choice, dict)
         return self.parallel_tool_calls
 
     def logprob_values(self) -> dict[str, Any]:
