@@ -124,3 +124,17 @@ def test_langchain_chat_model_reports_logprobs_as_chat_openai_does(engine: Fusio
     assert len(content) == message.usage_metadata["output_tokens"] and len(content[0]["top_logprobs"]) == 2
     plain = ChatFusionRAG(engine=engine, max_tokens=4, temperature=0, learn=False, data_dir=tmp_path).invoke("Hi")
     assert "logprobs" not in plain.response_metadata
+
+
+def test_llama_index_llm_reports_logprobs_as_its_openai_llm_does(engine: FusionEngine, tmp_path: Path) -> None:
+    from llama_index.core.llms import ChatMessage
+
+    from fusionrag_integrations.llama_index import FusionRAGLLM
+
+    llm = FusionRAGLLM(engine=engine, max_new_tokens=4, temperature=0, logprobs=True, top_logprobs=2, learn=False,
+                       data_dir=tmp_path)
+    response = llm.chat([ChatMessage(role="user", content="Hi")])
+    assert response.logprobs is not None and all(len(top) == 2 for top in response.logprobs)
+    assert llm.complete("Hi").logprobs is not None
+    plain = FusionRAGLLM(engine=engine, max_new_tokens=4, temperature=0, learn=False, data_dir=tmp_path)
+    assert plain.chat([ChatMessage(role="user", content="Hi")]).logprobs is None
