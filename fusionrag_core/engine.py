@@ -30,13 +30,14 @@ from fusionrag_core.batching.runner import Runner, arun_alone, run_alone
 from fusionrag_core.batching.scheduler import Scheduler, SchedulerConfig, default_kv_budget
 from fusionrag_core.batching.system_prefixes import SystemPrefixes
 from fusionrag_core.engine_config import EngineConfig
+from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query import audit as audit_lib
 from fusionrag_core.query.audit import Auditor, AuditResult
 from fusionrag_core.query.bad_blobs import BadBlobs
 from fusionrag_core.query.lookup import ChunkLookup, ModelKV, no_caches
 from fusionrag_core.query.prefill import prefill_chunk, prefill_chunks
 from fusionrag_core.query.prompt import FusionPrompt, PromptLayout
-from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.query.sampling import SEED_RANGE, SamplingConfig
 from fusionrag_core.query.select import get_selector
 from fusionrag_core.query.stitch import CacheLookup
 from fusionrag_core.query.tools import ToolCallFormat, ToolRequest
@@ -273,6 +274,48 @@ class FusionEngine:
         request = self._request(prompt, sampling, selector, ratio, caches, variant, store, learn)
         return self._async_stream(request)
 
+    def astream_choices(self, prompt: FusionPrompt, n: int, *, store: KVStore | None = None,
+                        sampling: SamplingConfig | None = None, selector: str | None = None,
+                        ratio: float | None = None, caches: Mapping[str, ChunkKV] | None = None,
+                        variant: Variant | None = None, learn: LearnFn | None = None,
+                        full_attention: bool = False) -> list[AsyncGenerationStream]:
+        """`n` answers of one prompt (an OpenAI request's `n` choices), for asyncio: the prompt is
+        stitched, selected and recomputed once, and each choice decodes a copy of it with its own
+        sampling (choice i's seed is `seed + i`, as vLLM's, so it equals a request of that seed).
+        Call it on the event loop that reads the streams; read them together (the first submits
+        all). Only the first choice is kept in the prefix cache and learned from.
+
+        Args:
+            prompt, store, sampling, selector, ratio, caches, variant, learn: as `stream`.
+            n: how many choices (the scheduler's `max_running` at most).
+            full_attention: answer with a plain prefill instead (`full_attention`).
+
+        Raises:
+            InvalidRequestError: n < 1, or an engine without a scheduler (choices share its steps).
+            OverloadedError, ContextLengthError: as `astream`.
+        """
+        if n < 1:
+            raise InvalidRequestError(f"n must be at least 1, got {n}")
+        if self.loop is None and n > 1:
+            raise InvalidRequestError("n > 1 needs the engine's scheduler (EngineConfig.scheduler): without it, "
+                                      "requests run alone and cannot share a prepared prompt")
+        parent = (self._plain_request(prompt, sampling) if full_attention else
+                  self._request(prompt, sampling, selector, ratio, caches, variant, store, learn))
+        parent.forks = tuple(self._fork(parent, i) for i in range(1, n))
+        loop = asyncio.get_running_loop()
+        for request in (parent, *parent.forks):
+            request.output.attach(loop)  # NOTE: before any is submitted: a fork's first piece may come first
+        return [self._async_stream(r, submit=not r.forked) for r in (parent, *parent.forks)]
+
+    def _fork(self, parent: Request, index: int) -> Request:
+        """Choice `index` of `parent`'s prompt: its seed `seed + index` (wrapped into torch's range)."""
+        seed = parent.sampling.seed
+        if seed is not None:
+            seed = seed + index if seed + index <= SEED_RANGE[1] else seed + index - 2**64
+        return Request(parent.prompt, dataclasses.replace(parent.sampling, seed=seed), parent.selection, parent.lookup,
+                       parent.kv_bytes, full_attention=parent.full_attention, in_memory=parent.in_memory,
+                       eos_ids=self.eos_ids, forked=True)
+
     def full_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None) -> GenerationStream:
         """The baseline: a plain prefill of every prompt token from position 0, no cache reused."""
         return GenerationStream(self._pieces(self._plain_request(prompt, sampling)))
@@ -283,9 +326,10 @@ class FusionEngine:
         request = self._plain_request(prompt, sampling)
         return self._async_stream(request)
 
-    def _async_stream(self, request: Request) -> AsyncGenerationStream:
+    def _async_stream(self, request: Request, *, submit: bool = True) -> AsyncGenerationStream:
         """The request's pieces on an event loop; its bookkeeping once streamed, in a worker thread."""
-        return AsyncGenerationStream(self._apieces(request), lambda: asyncio.to_thread(self._finish, request))
+        return AsyncGenerationStream(self._apieces(request, submit=submit),
+                                     lambda: asyncio.to_thread(self._finish, request))
 
     def _plain_request(self, prompt: FusionPrompt, sampling: SamplingConfig | None) -> Request:
         selection = Selection("full_attention", get_selector("none"), self.config.select)
@@ -319,9 +363,10 @@ class FusionEngine:
         yield from (self.loop.pieces(request) if self.loop is not None else run_alone(request, self._shared))
         yield self._finish(request)
 
-    async def _apieces(self, request: Request) -> AsyncIterator[str]:
+    async def _apieces(self, request: Request, *, submit: bool = True) -> AsyncIterator[str]:
         request.arrived_at = time.perf_counter()
-        pieces = self.loop.apieces(request) if self.loop is not None else arun_alone(request, self._shared)
+        pieces = (self.loop.apieces(request, submit=submit) if self.loop is not None
+                  else arun_alone(request, self._shared))
         async for piece in pieces:
             yield piece
 

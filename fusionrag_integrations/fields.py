@@ -56,6 +56,10 @@ class OptionFields(BaseModel):
     """Seed of the sampler (only matters when temperature > 0)."""
     stop: list[str] | None = None
     """Stop strings (excluded from the text); a per-call `stop` replaces them."""
+    logprobs: bool = _SAMPLING.logprobs
+    """Record each generated token's log-probability (the model's raw distribution, as vLLM and OpenAI report it)."""
+    top_logprobs: int = _SAMPLING.top_logprobs
+    """With `logprobs`, also the most likely tokens at each position (0 to 20)."""
     selector: str | None = Field(
         default=None,
         description=f"Which chunk tokens to recompute: {', '.join(SELECTORS)} (`fusionrag_core.query.select."

@@ -121,6 +121,14 @@ class RequestOptions:
         return engine.astream(prompt, sampling=sampling, selector=self.selector, ratio=self.ratio,
                               variant=self.variant, store=store, learn=learn)
 
+    def astream_choices(self, engine: FusionEngine, prompt: FusionPrompt, n: int, *, store: KVStore | None,
+                        learn: LearnFn | None) -> list[AsyncGenerationStream]:
+        """`n` choices of `prompt`, prepared once (`FusionEngine.astream_choices`); on the event loop
+        that reads them."""
+        return engine.astream_choices(prompt, n, sampling=self._sampling(engine), selector=self.selector,
+                                      ratio=self.ratio, variant=self.variant, store=store, learn=learn,
+                                      full_attention=self.full_attention)
+
     def _sampling(self, engine: FusionEngine) -> SamplingConfig:
         if self.tools is None:
             return self.sampling

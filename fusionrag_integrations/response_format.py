@@ -34,7 +34,8 @@ def response_grammar(response_format: Any) -> Grammar:
     """The grammar of an OpenAI-shaped `response_format` call option.
 
     Accepts `{"type": "json_object"}` (any JSON object) and
-    `{"type": "json_schema", "json_schema": {"schema": {...}, ...}}`.
+    `{"type": "json_schema", "json_schema": {"schema": {...}, "strict": bool, ...}}` (strict: every
+    object closed to its listed properties, as OpenAI's strict mode; else the schema as written).
 
     Raises:
         InvalidRequestError: another shape, or a schema llguidance cannot compile.
@@ -45,7 +46,13 @@ def response_grammar(response_format: Any) -> Grammar:
             return Grammar.json_object()
         spec = response_format.get("json_schema")
         if kind == "json_schema" and isinstance(spec, Mapping) and isinstance(spec.get("schema"), Mapping):
-            return _schema_grammar(json.dumps(spec["schema"], sort_keys=True))
+            strict = spec.get("strict")
+            if strict not in (None, True, False):
+                raise InvalidRequestError(f"response_format.json_schema.strict must be true or false, got {strict!r}")
+            # NOTE: strict: as OpenAI's strict mode, objects admit only their listed properties;
+            # otherwise the schema as written (decoded under its grammar either way)
+            schema = closed_objects(spec["schema"]) if strict else spec["schema"]
+            return _schema_grammar(json.dumps(schema, sort_keys=True))
     raise InvalidRequestError(
         f"unsupported response_format {response_format!r}; use {{'type': 'json_object'}} or "
         "{'type': 'json_schema', 'json_schema': {'schema': <JSON schema>}} (or with_structured_output(schema))"

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fusionrag_core.engine import FusionEngine, Generation
+from fusionrag_core.engine import AsyncGenerationStream, FusionEngine, Generation
 from fusionrag_core.errors import CacheMismatchError, FusionRAGError, InvalidRequestError
 from fusionrag_core.paths import DEFAULT_DATA_DIR, learned_dir
+from fusionrag_core.query.logprobs import with_text
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.stitch import Stitched
 from fusionrag_core.query.tools import ToolRequest
@@ -199,7 +200,7 @@ class ReuseSession:
         for piece in stream:
             text = clean_output(piece)
             if text:
-                yield text
+                yield with_text(piece, text)
         generation = stream.result
         assert generation is not None  # NOTE: set by GenerationStream once exhausted
         if not options.full_attention:
@@ -212,13 +213,28 @@ class ReuseSession:
         piece; the reuse monitor's check runs once in a worker thread."""
         sources = sources if sources is not None else self.sources(options)
         stream = options.astream(self.engine, prompt, store=sources, learn=self._learn if sources.learning else None)
+        async for piece in self._apieces(stream, prompt, options, sources, check=True):
+            yield piece
+
+    def arun_choices(self, prompt: FusionPrompt, options: RequestOptions, n: int,
+                     sources: ReuseSources | None = None) -> list[AsyncGenerator[str | Generation, None]]:
+        """`arun` for `n` choices of one prompt, prepared once (`FusionEngine.astream_choices`): one
+        iterator per choice, to be read together on the event loop this is called on. The first
+        choice learns and is checked by the reuse monitor (the others share its prompt)."""
+        sources = sources if sources is not None else self.sources(options)
+        streams = options.astream_choices(self.engine, prompt, n, store=sources,
+                                          learn=self._learn if sources.learning else None)
+        return [self._apieces(s, prompt, options, sources, check=i == 0) for i, s in enumerate(streams)]
+
+    async def _apieces(self, stream: AsyncGenerationStream, prompt: FusionPrompt, options: RequestOptions,
+                       sources: ReuseSources, *, check: bool) -> AsyncGenerator[str | Generation, None]:
         async for piece in stream:
             text = clean_output(piece)
             if text:
-                yield text
+                yield with_text(piece, text)
         generation = stream.result
         assert generation is not None  # NOTE: set by AsyncGenerationStream once exhausted
-        if not options.full_attention:
+        if check and not options.full_attention:
             await asyncio.to_thread(self.monitor.check, self.engine, prompt, generation, sources)
         yield generation
 

@@ -14,6 +14,7 @@ import torch
 from fusionrag_core.batching.request import Request
 from fusionrag_core.errors import AccountingError
 from fusionrag_core.query.audit import AuditResult
+from fusionrag_core.query.logprobs import TokenLogprob
 
 
 @dataclass
@@ -57,6 +58,8 @@ class Generation:
             tiers of a `TieredKVStore`, the backend, or learned caches), whatever wraps it.
         audit: the request's quality audit against full attention (see EngineConfig.audit_rate),
             or None when it was not audited.
+        logprobs: each generated token's log-probability (`query.logprobs.TokenLogprob`), when its
+            sampling asked for them (`SamplingConfig.logprobs`); else None.
     """
 
     text: str
@@ -83,6 +86,7 @@ class Generation:
     system_prefix_tokens: int = 0
     kept_prefix_tokens: int = 0
     audit: AuditResult | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def recomputed_fraction(self) -> float:
@@ -235,6 +239,7 @@ def generation_of(request: Request, *, kv_tiers: dict[str, int], cache_fallbacks
         prefix_cached_tokens=account.prefix_cached + account.system_prefix,
         system_prefix_tokens=account.system_prefix,
         kept_prefix_tokens=account.prefix_cached,
+        logprobs=list(decoding.logprobs) if request.sampling.logprobs else None,
     )
 
 

@@ -89,9 +89,14 @@ class BatchLoop:
                 return event
 
     # ---- consumers on an event loop ------------------------------------------------------------------------
-    async def apieces(self, request: Request) -> AsyncIterator[str]:
+    async def apieces(self, request: Request, *, submit: bool = True) -> AsyncIterator[str]:
         """`pieces` for a consumer on an asyncio event loop: the loop's thread leads the steps, and
         each piece is handed to the event loop as it is put.
+
+        Args:
+            request: the request.
+            submit: False for a fork (`Request.forks`): it is admitted with the request it forks
+                from, whose consumer submits it; its output must be attached before that.
 
         Raises:
             OverloadedError: the scheduler refused it (before anything ran).
@@ -99,7 +104,8 @@ class BatchLoop:
         """
         queue = request.output.attach(asyncio.get_running_loop())
         self._start_driver()
-        self.submit(request)
+        if submit:
+            self.submit(request)
         try:
             while (piece := RequestOutput.piece(await queue.get())) is not None:
                 yield piece

@@ -184,6 +184,22 @@ def recompute(requests: Sequence[Request], decoder: Decoder) -> None:
         r.enter(Phase.RECOMPUTED)
 
 
+# ---- fork ------------------------------------------------------------------------------------------------
+def fork(request: Request, parent: Request, shared: Shared) -> None:
+    """Give a fork its parent's computed prompt: a copy of the buffer (each choice appends its own
+    tokens), the same accounting and first logits; it then decodes with its own sampling."""
+    st = parent.stitched_buffer()
+    assert parent.phase is Phase.RECOMPUTED and parent.first_logits is not None, "fork before the parent's recompute"
+    buf = shared.decoder.new_buffer(st.buf.capacity)
+    st.buf.copy_to(buf)
+    request.stitched = dataclasses.replace(st, buf=buf, missed=[])
+    request.stitched_prompt = parent.stitched_prompt
+    request.account = dataclasses.replace(parent.account)
+    request.selected = parent.selected
+    request.first_logits = parent.first_logits
+    request.enter(Phase.FORKED)
+
+
 # ---- decode ----------------------------------------------------------------------------------------------
 def start_decoding(request: Request, shared: Shared) -> None:
     """Pick the first token; the request decodes on, or has finished already."""
@@ -221,6 +237,8 @@ def advance(request: Request, logits: torch.Tensor) -> None:
 def keep(request: Request, shared: Shared) -> None:
     """After the answer: learn the chunks that had no cache (when asked), and keep the request's K/V
     for later prompts (when the engine keeps them). Runs on the consumer's side, never delaying a step."""
+    if request.forked:
+        return  # NOTE: its parent, the same prompt, is kept and learned from
     st, decoding = request.stitched_buffer(), request.decoding
     assert decoding is not None and request.selected is not None and request.stitched_prompt is not None
     if request.learn is not None and st.missed:
@@ -232,5 +250,5 @@ def keep(request: Request, shared: Shared) -> None:
         request.enter(Phase.KEPT)
 
 
-__all__ = ["Shared", "advance", "decode_step", "keep", "probe", "recompute", "select", "skip_probe",
+__all__ = ["Shared", "advance", "decode_step", "fork", "keep", "probe", "recompute", "select", "skip_probe",
            "start_decoding", "stitch_request"]

@@ -8,6 +8,7 @@ the runner executes that plan (`batching.runner`), and the request's consumer re
 `Request.output` on its own thread or event loop.
 
     waiting ─► stitched ─► probed ─► selected ─► recomputed ─► decoding ─► finished ─► kept
+    waiting ─► forked ─► decoding ─► finished          (a fork: another choice of the same prompt)
           (any phase) ─► failed;  (any phase, its consumer gone) ─► finished
 
 A request belongs to one consumer: no two requests share any of its fields, and nothing of it is
@@ -53,11 +54,13 @@ class Phase(enum.Enum):
     DECODING = "decoding"  # tokens are being generated
     FINISHED = "finished"  # its answer is complete
     KEPT = "kept"  # its K/V are in the prefix cache (when the engine keeps finished requests)
+    FORKED = "forked"  # a fork: its parent's computed prompt copied, first logits included
     FAILED = "failed"  # an error ended it; its consumer raises it
 
 
 _NEXT: dict[Phase, tuple[Phase, ...]] = {
-    Phase.WAITING: (Phase.STITCHED,),
+    Phase.WAITING: (Phase.STITCHED, Phase.FORKED),
+    Phase.FORKED: (Phase.DECODING, Phase.FINISHED),
     Phase.STITCHED: (Phase.PROBED,),
     Phase.PROBED: (Phase.SELECTED,),
     Phase.SELECTED: (Phase.RECOMPUTED,),
@@ -142,8 +145,10 @@ class RequestOutput:
         self._queue: asyncio.Queue[object] | None = None
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[object]:
-        """Deliver every later event to an asyncio queue of `loop` (before the request is submitted)."""
-        self._loop, self._queue = loop, asyncio.Queue()
+        """Deliver every later event to an asyncio queue of `loop` (before the request is submitted);
+        attached again to the same loop, the same queue."""
+        if self._queue is None or self._loop is not loop:
+            self._loop, self._queue = loop, asyncio.Queue()
         return self._queue
 
     def put(self, piece: str) -> None:
@@ -232,6 +237,10 @@ class Request:
         decoding: its sampling state and generated tokens.
         error: what ended it, when it failed.
         cancelled: its consumer stopped reading; it leaves at the next step.
+        forks: requests that decode this one's prompt again (an OpenAI request's choices 1..n-1):
+            admitted with it, never stitched or recomputed themselves; each copies its computed
+            prompt once its first logits are known (`phases.fork`) and decodes on with its own sampling.
+        forked: it is such a fork: it is neither kept nor learned from (its parent is).
     """
 
     prompt: FusionPrompt
@@ -263,6 +272,8 @@ class Request:
     decoding: Decoding | None = None
     error: BaseException | None = None
     cancelled: bool = False
+    forks: tuple[Request, ...] = ()
+    forked: bool = False
 
     def __post_init__(self) -> None:
         self.account = TokenAccount(prompt=self.prompt.num_tokens)
@@ -295,6 +306,16 @@ class Request:
         elif self.decoding is not None:
             self.output.put(self.decoding.flush())
         self.output.finish()
+
+    @property
+    def slots(self) -> int:
+        """Running slots it takes when admitted: itself and its forks."""
+        return 1 + len(self.forks)
+
+    @property
+    def group_bytes(self) -> int:
+        """K/V bytes it takes when admitted: its buffer and its forks'."""
+        return self.kv_bytes + sum(f.kv_bytes for f in self.forks)
 
     @property
     def done(self) -> bool:

@@ -1,7 +1,8 @@
 """The runner: executes a `StepPlan` on the model, one phase at a time, and reports a `StepOutput`.
 
     dropped ─► end
-    admit   ─► stitch each ─► probe (one pass) ─► select each ─► recompute (one pass) ─► first token each
+    admit   ─► stitch each ─► probe (one pass) ─► select each ─► recompute (one pass) ─► forks copied
+            ─► first token each (forks included)
     decode  ─► one batched decode step ─► next token each
 
 A request's failure stays its own: a phase that fails for one request fails that request alone,
@@ -43,6 +44,7 @@ class Runner:
         for r in plan.dropped:
             r.finish()
             left.append(r)
+            self._end_forks(r, left)
         started, packs = self._admit(plan.admit, admit_more, left)
         rows = 0
         if plan.step:
@@ -56,21 +58,49 @@ class Runner:
         sizes of the last passes run."""
         stitch = functools.partial(phases.stitch_request, shared=self.shared)
         stitched = [r for r in admit if self._try(stitch, r, left)]
+        admitted = list(admit)
         while admit and (more := admit_more()):
+            admitted += more
             stitched += [r for r in more if self._try(stitch, r, left)]
         self._probe(stitched)
         selected = [r for r in stitched if self._try(phases.select, r, left)]
         packs = self._recompute(selected, left)
+        forked = self._fork(selected, left)
         start = functools.partial(phases.start_decoding, shared=self.shared)
         started: list[Request] = []
-        for r in selected:
-            if r.phase is Phase.RECOMPUTED and self._try(start, r, left):
+        for r in (*selected, *forked):
+            if r.phase in (Phase.RECOMPUTED, Phase.FORKED) and self._try(start, r, left):
                 if r.phase is Phase.FINISHED:
                     r.finish()
                     left.append(r)
                 else:
                     started.append(r)
+        for r in admitted:
+            self._end_forks(r, left)
         return started, packs
+
+    def _fork(self, requests: list[Request], left: list[Request]) -> list[Request]:
+        """Copy each recomputed request's prompt into its forks whose consumers still read; returns them."""
+        forked = []
+        for r in requests:
+            if r.phase is Phase.RECOMPUTED:
+                fork = functools.partial(phases.fork, parent=r, shared=self.shared)
+                forked += [f for f in r.forks if not f.cancelled and self._try(fork, f, left)]
+        return forked
+
+    @staticmethod
+    def _end_forks(request: Request, left: list[Request]) -> None:
+        """End the forks of `request` that were never forked (it failed or was dropped before its first
+        token, or their own consumers left): with its error, or finished when nobody reads them."""
+        for f in request.forks:
+            if f.phase is not Phase.WAITING:
+                continue
+            if f.cancelled:
+                f.finish()
+            else:
+                f.fail(request.error or RuntimeError(f"request {request.id}, whose prompt this choice decodes, was "
+                                                     "cancelled before its first token"))
+            left.append(f)
 
     def _probe(self, requests: list[Request]) -> None:
         try:

@@ -9,7 +9,8 @@ never runs the model, the runner never decides.
 One step:
 
 1. **admit**: waiting requests, in arrival order, while the running set has room (`max_running`,
-   the K/V byte budget) and the step's prompt tokens stay within `prefill_tokens_per_step` (at
+   the K/V byte budget; a request with forks, the choices of one prompt, takes a slot and a buffer
+   for each) and the step's prompt tokens stay within `prefill_tokens_per_step` (at
    least one request per step, so a long prompt is never starved). The runner takes each of
    them up to its first token: stitch, probe (packed), select, recompute (packed), first token.
    Requests that arrive while those are stitched (their caches load from the store) are admitted
@@ -149,10 +150,16 @@ class Scheduler:
 
         Raises:
             OverloadedError: `max_waiting` requests already wait, or its K/V alone exceed the budget.
+            InvalidRequestError: it and its forks need more running slots than `max_running`.
         """
-        if request.kv_bytes > self.kv_budget_bytes:
+        if request.slots > self.config.max_running:
+            raise InvalidRequestError(
+                f"this request decodes {request.slots} choices, each in its own running slot, but the engine runs "
+                f"at most {self.config.max_running} requests at once (SchedulerConfig.max_running): ask for fewer")
+        if request.group_bytes > self.kv_budget_bytes:
             raise OverloadedError(
-                f"this request's KV buffer ({request.kv_bytes / 2**20:.1f} MiB: its prompt plus max_new_tokens) "
+                f"this request's KV buffer ({request.group_bytes / 2**20:.1f} MiB: its prompt plus max_new_tokens, "
+                "for each of its choices) "
                 f"exceeds the scheduler's KV budget ({self.kv_budget_bytes / 2**20:.1f} MiB): raise "
                 "SchedulerConfig.kv_budget_bytes, or send a shorter prompt or a lower max_new_tokens",
                 limit="kv_budget_bytes",
@@ -193,14 +200,15 @@ class Scheduler:
         admit: list[Request] = []
         while self._waiting:
             head = self._waiting[0]
-            room = (len(self._running) < self.config.max_running
-                    and self._running_bytes + head.kv_bytes <= self.kv_budget_bytes)
+            room = (len(self._running) + head.slots <= self.config.max_running
+                    and self._running_bytes + head.group_bytes <= self.kv_budget_bytes)
             budget = self.config.prefill_tokens_per_step
             over = self._step_tokens > 0 and self._step_tokens + head.prompt.num_tokens > budget
             if not room or over:
                 break
-            self._running.append(self._waiting.popleft())
-            self._running_bytes += head.kv_bytes
+            # NOTE: its forks run from now on (each leaves on its own); only it prefills
+            self._running += [self._waiting.popleft(), *head.forks]
+            self._running_bytes += head.group_bytes
             self._step_tokens += head.prompt.num_tokens
             admit.append(head)
         return tuple(admit)

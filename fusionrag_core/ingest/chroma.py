@@ -74,6 +74,16 @@ class MiniLMEmbeddingFunction(SentenceTransformerEmbeddingFunction):
 
     fusionrag_id = EMBEDDING_ID
 
+    @property
+    def max_tokens(self) -> int:
+        """The longest text it embeds whole, in its tokenizer's tokens (special tokens included);
+        sentence-transformers cuts a longer one there."""
+        return int(self._model.max_seq_length)
+
+    def token_counts(self, texts: Sequence[str]) -> list[int]:
+        """Each text's length in its tokenizer's tokens (special tokens included), uncut."""
+        return [len(ids) for ids in self._model.tokenizer(list(texts))["input_ids"]]
+
 
 @functools.lru_cache(maxsize=4)
 def default_embedding_function(device: str = "cpu") -> EmbeddingFn:

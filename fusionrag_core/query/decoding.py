@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from fusionrag_core.query.logprobs import TextPiece, TokenLogprob, token_logprob
 from fusionrag_core.query.sampling import Sampler, TextAssembler
 from fusionrag_core.runtime.kv import KVBuffer
 
@@ -28,6 +29,7 @@ class Decoding:
     Attributes:
         buf: the request's KV buffer (generated tokens take its next slots).
         ids: the generated token ids (eos excluded).
+        logprobs: each generated token's log-probability, when its sampling asks for them (else empty).
         finish_reason: "stop" (eos or a stop string), "length" (max_new_tokens), None while running.
         first_token_at: `time.perf_counter()` when the first token was picked.
     """
@@ -43,6 +45,7 @@ class Decoding:
         """
         self.buf = buf
         self.ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
         self.finish_reason: Literal["stop", "length"] | None = None
         self.first_token_at: float | None = None
         self._position = position
@@ -51,6 +54,7 @@ class Decoding:
         self._max_new_tokens = max_new_tokens
         self._eos_ids = eos_ids
         self._last = -1  # the last token picked: the next step's input
+        self._unsent = 0  # NOTE: logprobs of tokens whose text is still held back go with the next piece
 
     @property
     def finished(self) -> bool:
@@ -62,7 +66,7 @@ class Decoding:
 
     def start(self, first_logits: torch.Tensor) -> str:
         """Pick the first token from the prompt's last logits `[V]`; returns its text."""
-        piece = self._take(self._sampler(first_logits))
+        piece = self._take(self._sampler(first_logits), first_logits)
         self.first_token_at = time.perf_counter()
         return piece
 
@@ -76,24 +80,35 @@ class Decoding:
 
     def advance(self, logits: torch.Tensor) -> str:
         """Pick the next token from the `[V]` logits of the last input; returns its text."""
-        return self._take(self._sampler(logits))
+        return self._take(self._sampler(logits), logits)
 
     def flush(self) -> str:
         """The text held back (a possible stop-string prefix, an incomplete character) once finished."""
-        return self._assembler.flush()
+        return self._carrying(self._assembler.flush())
 
-    def _take(self, token: int) -> str:
+    def _take(self, token: int, logits: torch.Tensor) -> str:
         if token in self._eos_ids:
             self.finish_reason = "stop"
             return ""
         self.ids.append(token)
         self._last = token
+        config = self._sampler.config
+        if config.logprobs:
+            self.logprobs.append(token_logprob(logits, token, config.top_logprobs))
         piece = self._assembler.add(token)
         if self._assembler.stopped:
             self.finish_reason = "stop"
         elif len(self.ids) >= self._max_new_tokens:
             self.finish_reason = "length"
-        return piece
+        return self._carrying(piece)
+
+    def _carrying(self, piece: str) -> str:
+        """`piece` with the logprobs not yet sent, when logprobs are recorded and it holds text."""
+        if not piece or self._unsent == len(self.logprobs):
+            return piece
+        carried = tuple(self.logprobs[self._unsent:])
+        self._unsent = len(self.logprobs)
+        return TextPiece(piece, carried)
 
 
 __all__ = ["Decoding"]

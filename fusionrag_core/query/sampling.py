@@ -20,6 +20,7 @@ from transformers.generation.logits_process import (
 
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.constrained import Grammar, GrammarProcessor
+from fusionrag_core.query.logprobs import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4
 """Most stop strings one request may pass: OpenAI's own limit."""
@@ -48,6 +49,10 @@ class SamplingConfig:
         stop: stop strings; the text ends before the earliest one in it (at most `MAX_STOP_STRINGS`,
             `MAX_STOP_CHARS` characters in all).
         grammar: constrain the text to a grammar (`constrained.Grammar`, e.g. a JSON schema).
+        logprobs: record each generated token's log-probability (`query.logprobs`: the model's raw
+            distribution, as vLLM reports it), in `Generation.logprobs` and on each streamed piece.
+        top_logprobs: with `logprobs`, also the most likely tokens at each position (0 to
+            `MAX_TOP_LOGPROBS`).
     """
 
     max_new_tokens: int = 64
@@ -59,6 +64,8 @@ class SamplingConfig:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     grammar: Grammar | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         _check_finite(self)
@@ -76,6 +83,7 @@ class SamplingConfig:
         if self.repetition_penalty <= 0:
             raise InvalidRequestError(f"repetition_penalty must be > 0 (1.0: off), got {self.repetition_penalty}")
         _check_stop(self.stop)
+        _check_logprobs(self.logprobs, self.top_logprobs)
 
     @property
     def greedy(self) -> bool:
@@ -117,6 +125,13 @@ def _check_seed(seed: int | None) -> None:
     low, high = SEED_RANGE
     if seed is not None and not low <= seed <= high:
         raise InvalidRequestError(f"seed must be an integer from {low} to {high} (a 64-bit seed), got {seed}")
+
+
+def _check_logprobs(logprobs: bool, top_logprobs: int) -> None:
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top_logprobs}")
+    if top_logprobs and not logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs=True: set logprobs too, or drop top_logprobs")
 
 
 def _check_stop(stop: Sequence[str]) -> None:

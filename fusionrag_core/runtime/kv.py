@@ -199,6 +199,17 @@ class KVBuffer:
         self.length = b
         return torch.arange(a, b, device=self.keys.device)
 
+    def copy_to(self, other: KVBuffer) -> None:
+        """Fill `other`, an empty buffer of the same shape, with this buffer's slots in use: a request
+        that decodes the same prompt again appends its own tokens there."""
+        assert other.keys.shape == self.keys.shape and other.length == 0, "copy_to needs an empty buffer of one shape"
+        n = self.length
+        other.keys[:, :, :n] = self.keys[:, :, :n]  # [L, H, n, D]
+        other.values[:, :, :n] = self.values[:, :, :n]
+        other.positions[:n] = self.positions[:n]
+        other.valid[:n] = self.valid[:n]
+        other.length = n
+
     def put(self, kv: ChunkKV, keys: torch.Tensor | None, start_position: int) -> torch.Tensor:
         """Append a cache whose `keys` `[L, H, T, D]` are already rotated for consecutive positions from
         `start_position` (None: the caller writes them into `keys[:, :, slots]`); returns its slots `[T]`."""

@@ -32,6 +32,7 @@ from fusionrag_integrations.langchain.documents import chunk_inputs
 from fusionrag_integrations.langchain.messages import to_chat_dicts
 from fusionrag_integrations.langchain.structured import Method, with_structured_output
 from fusionrag_integrations.langchain.tools import artifact_texts, call_chunk, langchain_invalid_call, tool_options
+from fusionrag_integrations.logprobs import chat_logprobs
 
 
 @dataclass(frozen=True)
@@ -244,10 +245,13 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
             # NOTE: a cache hit is any prompt token not computed here: kept chunk caches and the prefix cache
             input_token_details={"cache_read": generation.reused_tokens + generation.prefix_cached_tokens},
         )
+        metadata = generation_metadata(generation, self.model_name)
+        if generation.logprobs is not None:  # NOTE: where ChatOpenAI puts them (`logprobs=True`)
+            metadata["logprobs"] = chat_logprobs(generation.logprobs, self.fusion_engine().tokenizer)
         message = AIMessageChunk(
             content="",
             chunk_position="last",  # NOTE: also what turns the summed tool_call_chunks into tool_calls
             usage_metadata=usage,
-            response_metadata=generation_metadata(generation, self.model_name),
+            response_metadata=metadata,
         )
         return ChatGenerationChunk(message=message)

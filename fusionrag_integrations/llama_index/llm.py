@@ -35,6 +35,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
+    LogProb,
 )
 from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
@@ -56,6 +57,7 @@ from fusionrag_integrations.llama_index.aio import call_in_thread, iterate_in_th
 from fusionrag_integrations.llama_index.calls import record, recording
 from fusionrag_integrations.llama_index.observe import record_call, retrieved_texts
 from fusionrag_integrations.llama_index.tools import Reply, chat_kwargs, message_dict, quoted, tool_selections
+from fusionrag_integrations.logprobs import chat_logprob_content
 from fusionrag_integrations.request import RESPONSE_FORMAT, TOOL_OPTIONS, generation_stats
 from fusionrag_integrations.response_format import json_schema_format
 from fusionrag_integrations.session import ReuseSession
@@ -190,6 +192,15 @@ class FusionRAGLLM(OptionFields, ReuseFields, FunctionCallingLLM):
                 self._session = ReuseSession(engine, store, self.reuse_config())
             return self._session
 
+    def _logprobs(self, generation: Generation) -> list[list[LogProb]] | None:
+        """Each generated token's most likely alternatives (or itself, when none were asked for), as
+        LlamaIndex's OpenAI LLM reports `logprobs`; None when `logprobs` was not asked for."""
+        if generation.logprobs is None:
+            return None
+        content = chat_logprob_content(generation.logprobs, self.reuse_session().engine.tokenizer)
+        return [[LogProb(token=t["token"], logprob=t["logprob"], bytes=t["bytes"])
+                 for t in (entry["top_logprobs"] or [entry])] for entry in content]
+
     def with_store(self, store: KVStore) -> FusionRAGLLM:
         """A copy of this LLM (same settings and engine) that reads chunk caches from `store`."""
         copy = self.model_copy()
@@ -316,7 +327,8 @@ class FusionRAGLLM(OptionFields, ReuseFields, FunctionCallingLLM):
         _refuse_tools(kwargs)
         generation = _last(self._answer(self._completion_messages(prompt, formatted), kwargs, retrieved))
         meta = _finished(generation)
-        return CompletionResponse(text=clean_output(generation.text), additional_kwargs=meta, raw=meta)
+        return CompletionResponse(text=clean_output(generation.text), additional_kwargs=meta, raw=meta,
+                                  logprobs=self._logprobs(generation))
 
     def _stream_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any],
                            retrieved: Sequence[str]) -> CompletionResponseGen:
@@ -366,7 +378,8 @@ class FusionRAGLLM(OptionFields, ReuseFields, FunctionCallingLLM):
                 reply.add(piece)
         assert generation is not None  # NOTE: ReuseSession.run ends with the Generation
         meta = _finished(generation)
-        return ChatResponse(message=reply.message(), additional_kwargs=meta, raw=meta)
+        return ChatResponse(message=reply.message(), additional_kwargs=meta, raw=meta,
+                            logprobs=self._logprobs(generation))
 
     def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any],
                      retrieved: Sequence[str]) -> ChatResponseGen:
@@ -375,7 +388,8 @@ class FusionRAGLLM(OptionFields, ReuseFields, FunctionCallingLLM):
         for piece in self._chat_answer(messages, kwargs, retrieved):
             if isinstance(piece, Generation):
                 meta = _finished(piece)
-                yield ChatResponse(message=reply.message(), delta="", additional_kwargs=meta, raw=meta)
+                yield ChatResponse(message=reply.message(), delta="", additional_kwargs=meta, raw=meta,
+                                   logprobs=self._logprobs(piece))
             else:
                 delta = reply.add(piece)
                 yield ChatResponse(message=reply.message(), delta=delta, additional_kwargs={}, raw=None)

@@ -4,6 +4,8 @@ learned caches).
     POST /v1/chat/completions   chat (SSE when `stream`), tools, response_format
     POST /v1/completions        raw text continued (SSE when `stream`)
     /v1/responses, /v1/files, /v1/vector_stores   the Responses API, file_search (responses.py, store_routes.py)
+    POST /v1/embeddings         the corpus's embedding model (embeddings.py)
+    POST /tokenize, /detokenize vLLM's token routes (tokenize.py)
     GET  /v1/models             the one served model
     GET  /health                liveness
     GET  /metrics               Prometheus text (metrics.py)
@@ -27,7 +29,7 @@ import hmac
 import json
 import logging
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, NamedTuple, Protocol
 
@@ -42,12 +44,15 @@ from starlette.types import Message, Receive, Scope, Send
 
 from fusionrag_core.engine import Generation
 from fusionrag_core.errors import ContextLengthError, InvalidRequestError, OverloadedError
+from fusionrag_core.query.logprobs import TokenLogprob, piece_logprobs
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.tools import InvalidToolCall, ToolCall, asplit_calls
 from fusionrag_core.query.unicode import not_unicode_at
 from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_integrations.fields import bound_tools
+from fusionrag_integrations.logprobs import chat_logprobs, completion_logprobs
 from fusionrag_integrations.openai_server.config import ServerConfig
+from fusionrag_integrations.openai_server.embeddings import embeddings_route
 from fusionrag_integrations.openai_server.errors import HTTPError
 from fusionrag_integrations.openai_server.metrics import Metrics
 from fusionrag_integrations.openai_server.protocol import (
@@ -62,6 +67,7 @@ from fusionrag_integrations.openai_server.protocol import (
 )
 from fusionrag_integrations.openai_server.responses import ResponseOutput, add_response_routes
 from fusionrag_integrations.openai_server.store_routes import add_store_routes
+from fusionrag_integrations.openai_server.tokenize import detokenize_route, tokenize_route
 from fusionrag_integrations.openai_server.vector_stores import VectorStores
 from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.session import ReuseSession
@@ -95,6 +101,9 @@ def create_app(session: ReuseSession, config: ServerConfig | None = None,
     app.add_api_route("/v1/completions", server.completion, methods=["POST"], dependencies=auth)
     add_response_routes(app, server, auth, vector_stores, lambda output: _ResponseStream(server, output))
     add_store_routes(app, auth, vector_stores)
+    app.add_api_route("/v1/embeddings", embeddings_route(), methods=["POST"], dependencies=auth)
+    app.add_api_route("/tokenize", tokenize_route(session), methods=["POST"], dependencies=auth)
+    app.add_api_route("/detokenize", detokenize_route(session), methods=["POST"], dependencies=auth)
     return app
 
 
@@ -145,7 +154,7 @@ class _Server:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check(body)
         tools = bound_tools({"tools": body.tools, "tool_choice": body.tool_choice,
-                             "parallel_tool_calls": body.parallel_tool_calls})
+                             "parallel_tool_calls": body.parallel_calls()})
         options = RequestOptions.from_values(self._values(body), response_format=body.response_format_value(),
                                              tools=tools)
         messages = body.chat_messages()
@@ -154,7 +163,7 @@ class _Server:
             return self.session.prompt(messages, sources, (), tools)
         stream = _Stream(self, "chat", Envelope("chatcmpl", self.name), body.stream_options is not None
                          and body.stream_options.include_usage)
-        return await stream.respond(request, options, prompt, body.stream)
+        return await stream.respond(request, options, prompt, body.stream, body.n)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         self._check(body)
@@ -165,7 +174,7 @@ class _Server:
             return self.session.prompt_from_text(text, sources)
         stream = _Stream(self, "completion", Envelope("cmpl", self.name), body.stream_options is not None
                          and body.stream_options.include_usage)
-        return await stream.respond(request, options, prompt, body.stream)
+        return await stream.respond(request, options, prompt, body.stream, body.n)
 
     def _values(self, body: _Body) -> dict[str, Any]:
         """The request's option values: its sampling, and the server's selection settings."""
@@ -186,32 +195,47 @@ class _Server:
                                  "(max_prompt_tokens): shorten it", code="context_length_exceeded")
 
 
-class _Stream:
-    """One request's generation: admitted, first token computed, then answered whole or as SSE.
+class _Choice:
+    """One choice of a request (OpenAI's `n`): its pieces and what it has generated and streamed."""
 
-    Per request (never shared): the pieces iterator, the envelope, what was generated, and `exits`
-    (the request's slot and generation, released once).
+    def __init__(self, index: int, pieces: AsyncGenerator[Piece, None]) -> None:
+        self.index, self.pieces = index, pieces
+        self.calls: list[ToolCall] = []
+        self.invalid: list[InvalidToolCall] = []
+        self.logprobs_sent = 0  # NOTE: tokens whose logprobs a stream chunk has carried
+        self.chars_sent = 0  # NOTE: text a completion stream has sent (where its next token's text starts)
+
+
+class _Stream:
+    """One request's generation: admitted, first token computed (every choice's), then answered
+    whole or as SSE.
+
+    Per request (never shared): the choices, the envelope, what was generated, and `exits`
+    (the request's slots and generations, released once).
     """
 
     def __init__(self, server: _Server, endpoint: str, envelope: Envelope, include_usage: bool) -> None:
         self.server, self.endpoint, self.envelope, self.include_usage = server, endpoint, envelope, include_usage
         self.exits = AsyncExitStack()
-        self.calls: list[ToolCall] = []
-        self.invalid: list[InvalidToolCall] = []
+        self.choices: list[_Choice] = []
+        self.generations: dict[int, Generation] = {}  # NOTE: by choice index, as each choice finishes
 
     async def respond(self, request: Request, options: RequestOptions,
-                      prompt: Callable[[ReuseSources], FusionPrompt], streaming: bool) -> Response:
-        pieces = self._start(options, await anyio.to_thread.run_sync(self._prompt, options, prompt))
-        self.exits.push_async_callback(pieces.aclose)
+                      prompt: Callable[[ReuseSources], FusionPrompt], streaming: bool, n: int = 1) -> Response:
+        built = await anyio.to_thread.run_sync(self._prompt, options, prompt)
+        choices = self.choices = [_Choice(i, pieces) for i, pieces in enumerate(self._start(options, built, n))]
+        for choice in choices:
+            self.exits.push_async_callback(choice.pieces.aclose)
         try:
-            first = await self._first(request, pieces)  # NOTE: prefill: a bad prompt fails here
+            firsts = await self._first(request, choices)  # NOTE: prefill: a bad prompt fails here
         except BaseException:
             await self.exits.aclose()
             raise
         if not streaming:
             async with self.exits:
-                return JSONResponse(await self._whole(request, pieces, first))
-        return _ReleasingStream(self._events(request, pieces, first), self.exits, media_type="text/event-stream")
+                return JSONResponse(await self._whole(request, choices, firsts))
+        events = _merged([self._events(request, c, first) for c, first in zip(choices, firsts, strict=True)])
+        return _ReleasingStream(self._ending(events), self.exits, media_type="text/event-stream")
 
     def _prompt(self, options: RequestOptions,
                 prompt: Callable[[ReuseSources], FusionPrompt]) -> tuple[FusionPrompt, ReuseSources]:
@@ -225,129 +249,223 @@ class _Stream:
         """Where the request reads caches: the session's KV store, then its learned caches."""
         return self.server.session.sources(options)
 
-    def _start(self, options: RequestOptions, built: tuple[FusionPrompt, ReuseSources]) -> AsyncGenerator[Piece, None]:
+    def _start(self, options: RequestOptions, built: tuple[FusionPrompt, ReuseSources],
+               n: int) -> list[AsyncGenerator[Piece, None]]:
         session = self.server.session
-        pieces: AsyncGenerator[Piece, None] = session.arun(built[0], options, built[1])
+        every: list[AsyncGenerator[Piece, None]] = []
+        if n == 1:
+            every.append(session.arun(built[0], options, built[1]))
+        else:
+            every.extend(session.arun_choices(built[0], options, n, built[1]))
         if options.tools is not None:
-            pieces = asplit_calls(pieces, session.engine.tool_format, options.tools)
-        return pieces
+            every = [asplit_calls(pieces, session.engine.tool_format, options.tools) for pieces in every]
+        return every
 
     @staticmethod
-    async def _first(request: Request, pieces: AsyncGenerator[Piece, None]) -> Piece:
-        """The first piece; a client that disconnects before it (waiting in the engine's queue, or
-        while its prompt is computed) ends the request instead."""
-        first = asyncio.ensure_future(anext(pieces))
+    async def _first(request: Request, choices: list[_Choice]) -> list[Piece]:
+        """Each choice's first piece; a client that disconnects before them (waiting in the engine's
+        queue, or while its prompt is computed) ends the request instead, and a choice that fails
+        (the prompt refused) fails it."""
+        tasks = [asyncio.ensure_future(anext(c.pieces)) for c in choices]
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait((first, gone), return_when=asyncio.FIRST_COMPLETED)
+            waiting: set[asyncio.Future[Any]] = set(tasks)
+            while waiting and not gone.done() and _failure(tasks) is None:
+                _, waiting = await asyncio.wait(waiting | {gone}, return_when=asyncio.FIRST_COMPLETED)
+                waiting.discard(gone)
         finally:
             gone.cancel()
-        if not first.done():
-            first.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await first
-            raise HTTPError(499, "the client disconnected", code="client_closed")
-        return first.result()
+        failed = _failure(tasks)
+        if failed is None and all(t.done() for t in tasks):
+            return [t.result() for t in tasks]
+        for t in tasks:  # NOTE: a generator still waiting for its piece cannot be closed: cancel the wait first
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        if failed is not None:
+            raise failed
+        raise HTTPError(499, "the client disconnected", code="client_closed")
 
-    async def _pieces(self, request: Request, pieces: AsyncGenerator[Piece, None],
-                      first: Piece) -> AsyncIterator[Piece]:
-        """The pieces as the engine decodes them; stops when the client has gone."""
+    async def _pieces(self, request: Request, choice: _Choice, first: Piece) -> AsyncIterator[Piece]:
+        """A choice's pieces as the engine decodes them; stops when the client has gone."""
         piece: Piece | None = first
         while piece is not None:
             if isinstance(piece, Generation):
-                await self.exits.aclose()  # NOTE: the request has left the engine before the client reads its end
+                self.generations[choice.index] = piece
+                await choice.pieces.aclose()  # NOTE: the choice has left the engine before the client reads its end
             yield piece
             if isinstance(piece, Generation) or await request.is_disconnected():
                 return
-            piece = await anext(pieces, None)
+            piece = await anext(choice.pieces, None)
 
-    async def _whole(self, request: Request, pieces: AsyncGenerator[Piece, None], first: Piece) -> dict[str, Any]:
+    async def _whole(self, request: Request, choices: list[_Choice], firsts: list[Piece]) -> dict[str, Any]:
+        answers = await asyncio.gather(*(self._answer(request, c, f) for c, f in zip(choices, firsts, strict=True)))
+        generations = [g for _, g in answers]
+        self._finished()
+        kind = "text_completion" if self.endpoint == "completion" else "chat.completion"
+        return self.envelope.wrap(kind, [c for c, _ in answers], usage=usage(generations),
+                                  fusionrag=fusionrag_stats(generations[0], choices[0].invalid))
+
+    async def _answer(self, request: Request, choice: _Choice, first: Piece) -> tuple[dict[str, Any], Generation]:
+        """One choice whole, and its generation."""
         text: list[str] = []
         generation: Generation | None = None
-        async for piece in self._pieces(request, pieces, first):
+        async for piece in self._pieces(request, choice, first):
             if isinstance(piece, Generation):
                 generation = piece
             else:
-                text.append(self._text_of(piece))
+                text.append(self._text_of(choice, piece))
         if generation is None:
             raise HTTPError(499, "the client disconnected", code="client_closed")
-        self._finished(generation)
         content = "".join(text)
         if self.endpoint == "completion":
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": generation.finish_reason}
-            return self.envelope.wrap("text_completion", [choice], usage=usage(generation),
-                                      fusionrag=fusionrag_stats(generation, self.invalid))
-        calls: list[ToolCall | InvalidToolCall] = [*self.calls, *self.invalid]
+            return {"index": choice.index, "text": content, "logprobs": self._logprobs(choice, generation.logprobs),
+                    "finish_reason": generation.finish_reason}, generation
+        calls: list[ToolCall | InvalidToolCall] = [*choice.calls, *choice.invalid]
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = [tool_call_dict(c) for c in calls]
-        choice = {"index": 0, "message": message, "logprobs": None,
-                  "finish_reason": finish_reason(generation, self.calls, self.invalid)}
-        return self.envelope.wrap("chat.completion", [choice], usage=usage(generation),
-                                  fusionrag=fusionrag_stats(generation, self.invalid))
+        return {"index": choice.index, "message": message, "logprobs": self._logprobs(choice, generation.logprobs),
+                "finish_reason": finish_reason(generation, choice.calls, choice.invalid)}, generation
 
-    async def _events(self, request: Request, pieces: AsyncGenerator[Piece, None], first: Piece) -> AsyncIterator[str]:
+    async def _events(self, request: Request, choice: _Choice, first: Piece) -> AsyncIterator[str]:
+        """One choice's events, up to its finishing chunk."""
         if self.endpoint == "chat":
-            yield sse(self._chunk({"role": "assistant", "content": ""}))
-        async for piece in self._pieces(request, pieces, first):
+            yield sse(self._chunk(choice, {"role": "assistant", "content": ""}))
+        async for piece in self._pieces(request, choice, first):
             if isinstance(piece, Generation):
-                yield self._finish_event(piece)
-                if self.include_usage:
-                    yield sse(self.envelope.wrap(self._kind, [], usage=usage(piece),
-                                                 fusionrag=fusionrag_stats(piece, self.invalid)))
-                yield sse("[DONE]")
+                if piece.logprobs is not None and len(piece.logprobs) > choice.logprobs_sent:
+                    # NOTE: tokens whose text never reached a piece (a stop string, marks removed, a tool call)
+                    yield sse(self._chunk(choice, self._delta(""), logprobs=piece.logprobs[choice.logprobs_sent:]))
+                yield self._finish_event(choice, piece)
             elif isinstance(piece, ToolCall | InvalidToolCall):
-                yield sse(self._chunk({"tool_calls": [self._call_delta(piece)]}))
+                yield sse(self._chunk(choice, {"tool_calls": [self._call_delta(choice, piece)]}))
             else:
-                yield sse(self._chunk(self._delta(self._text_of(piece))))
+                text = self._text_of(choice, piece)
+                yield sse(self._chunk(choice, self._delta(text), logprobs=piece_logprobs(piece)))
+
+    async def _ending(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """Every choice's events, then the usage (when asked) and the end, once all have finished."""
+        async for event in events:
+            yield event
+        if len(self.generations) < len(self.choices):
+            return  # NOTE: the client has gone
+        self._finished()
+        if self.include_usage:
+            generations = [self.generations[c.index] for c in self.choices]
+            yield sse(self.envelope.wrap(self._kind, [], usage=usage(generations),
+                                         fusionrag=fusionrag_stats(generations[0], self.choices[0].invalid)))
+        yield sse("[DONE]")
 
     @property
     def _kind(self) -> str:
         return "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
 
-    def _chunk(self, delta: dict[str, Any] | str, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    def _chunk(self, choice: _Choice, delta: dict[str, Any] | str, finish: str | None = None,
+               logprobs: Sequence[TokenLogprob] = (), **extra: Any) -> dict[str, Any]:
+        """A stream chunk of `choice`; `logprobs` are those of its tokens decoded since its previous chunk."""
+        shown = self._logprobs(choice, logprobs) if logprobs else None
+        choice.logprobs_sent += len(logprobs)
         if self.endpoint == "chat":
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            body = {"index": choice.index, "delta": delta, "logprobs": shown, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
-        return self.envelope.wrap(self._kind, [choice], **extra)
+            body = {"index": choice.index, "text": delta, "logprobs": shown, "finish_reason": finish}
+            choice.chars_sent += len(delta) if isinstance(delta, str) else 0
+        return self.envelope.wrap(self._kind, [body], **extra)
+
+    def _logprobs(self, choice: _Choice, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+        """A choice's `logprobs` in the endpoint's shape (None: not asked for)."""
+        if entries is None:
+            return None
+        tokenizer = self.server.session.engine.tokenizer
+        if self.endpoint == "chat":
+            return chat_logprobs(entries, tokenizer)
+        return completion_logprobs(entries, tokenizer, text_offset=choice.chars_sent)
 
     def _delta(self, text: str) -> dict[str, Any] | str:
         return {"content": text} if self.endpoint == "chat" else text
 
-    def _text_of(self, piece: str | ToolCall | InvalidToolCall) -> str:
+    def _text_of(self, choice: _Choice, piece: str | ToolCall | InvalidToolCall) -> str:
         """A piece's text; a call, valid or not (cut off by max_tokens), is kept aside: never content."""
         if isinstance(piece, ToolCall | InvalidToolCall):
-            self._call_delta(piece)
+            self._call_delta(choice, piece)
             return ""
         return piece
 
-    def _call_delta(self, call: ToolCall | InvalidToolCall) -> dict[str, Any]:
-        """Keep `call` aside; its stream delta, indexed in the order calls came."""
+    @staticmethod
+    def _call_delta(choice: _Choice, call: ToolCall | InvalidToolCall) -> dict[str, Any]:
+        """Keep `call` aside; its stream delta, indexed in the order the choice's calls came."""
         if isinstance(call, ToolCall):
-            self.calls.append(call)
+            choice.calls.append(call)
         else:
-            self.invalid.append(call)
-        return tool_call_dict(call, len(self.calls) + len(self.invalid) - 1)
+            choice.invalid.append(call)
+        return tool_call_dict(call, len(choice.calls) + len(choice.invalid) - 1)
 
-    def _finish_event(self, generation: Generation) -> str:
-        """The stream's finishing chunk (empty delta, finish reason, FusionRAG's statistics)."""
-        self._finished(generation)
+    def _finish_event(self, choice: _Choice, generation: Generation) -> str:
+        """A choice's finishing chunk (empty delta, finish reason, FusionRAG's statistics)."""
         empty: dict[str, Any] | str = {} if self.endpoint == "chat" else ""
-        return sse(self._chunk(empty, finish_reason(generation, self.calls, self.invalid),
-                               fusionrag=fusionrag_stats(generation, self.invalid)))
+        return sse(self._chunk(choice, empty, finish_reason(generation, choice.calls, choice.invalid),
+                               fusionrag=fusionrag_stats(generation, choice.invalid)))
 
-    def _finished(self, generation: Generation) -> None:
-        self.server.metrics_.record(generation)
+    def _finished(self) -> None:
+        """Metrics and the log line of the finished request (every choice's generation recorded)."""
+        for generation in self.generations.values():
+            self.server.metrics_.record(generation)
         self.server.metrics_.requests.labels(self.endpoint, "200").inc()
-        logger.info("%s %s: %d prompt tokens (%d reused), %d generated, ttft %.3f s", self.endpoint,
-                    self.envelope.id, generation.prompt_tokens, generation.reused_tokens, len(generation.token_ids),
-                    generation.ttft_s)
+        first = self.generations[0]
+        logger.info("%s %s: %d prompt tokens (%d reused), %d generated in %d choice(s), ttft %.3f s", self.endpoint,
+                    self.envelope.id, first.prompt_tokens, first.reused_tokens,
+                    sum(len(g.token_ids) for g in self.generations.values()), len(self.generations), first.ttft_s)
+
+
+def _failure(tasks: Sequence[asyncio.Future[Any]]) -> BaseException | None:
+    """The error of the first of `tasks` that failed (None: none has)."""
+    return next((t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
+
+
+_END = object()
+
+
+async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The events of several streams as each comes (one stream: itself); the first error raises."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield event
+        return
+    queue: asyncio.Queue[object] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[str]) -> None:
+        try:
+            async for event in stream:
+                await queue.put(event)
+        except BaseException as exc:  # NOTE: handed to the reader, which raises it
+            await queue.put(exc)
+        finally:
+            await queue.put(_END)
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        ended = 0
+        while ended < len(tasks):
+            item = await queue.get()
+            if item is _END:
+                ended += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                assert isinstance(item, str)
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        # NOTE: a choice's generator still in a cancelled pump could not be closed by the request's exits
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _ResponseStream(_Stream):
     """A Responses API request on the chat path: `_Stream`'s admission, first token and disconnects,
-    with `responses.ResponseOutput`'s sources (a vector store's) and output (items, or events)."""
+    with `responses.ResponseOutput`'s sources (a vector store's) and output (items, or events). A
+    response has one choice, and may run several passes (a search the model called, then the answer)."""
 
     def __init__(self, server: _Server, output: ResponseOutput) -> None:
         super().__init__(server, "responses", Envelope("resp", server.name), False)
@@ -356,11 +474,36 @@ class _ResponseStream(_Stream):
     def _sources(self, options: RequestOptions) -> ReuseSources:
         return self.output.sources(options) or super()._sources(options)
 
-    async def _whole(self, request: Request, pieces: AsyncGenerator[Piece, None], first: Piece) -> dict[str, Any]:
-        return await self.output.whole(self, request, pieces, first)
+    async def _whole(self, request: Request, choices: list[_Choice], firsts: list[Piece]) -> dict[str, Any]:
+        return await self.output.whole(self, request, choices[0].pieces, firsts[0])
 
-    def _events(self, request: Request, pieces: AsyncGenerator[Piece, None], first: Piece) -> AsyncIterator[str]:
-        return self.output.events(self, request, pieces, first)
+    def _events(self, request: Request, choice: _Choice, first: Piece) -> AsyncIterator[str]:
+        return self.output.events(self, request, choice.pieces, first)
+
+    async def _ending(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """The output's events as they are: a Responses stream ends with its last event (no `[DONE]`),
+        and each pass is recorded as it finishes (`pass_finished`)."""
+        async for event in events:
+            yield event
+
+    def pass_start(self, options: RequestOptions, built: tuple[FusionPrompt, ReuseSources]
+                   ) -> AsyncGenerator[Piece, None]:
+        """A further pass's pieces (released with the request)."""
+        [pieces] = self._start(options, built, 1)
+        self.exits.push_async_callback(pieces.aclose)
+        return pieces
+
+    async def pass_first(self, request: Request, pieces: AsyncGenerator[Piece, None]) -> Piece:
+        [first] = await self._first(request, [_Choice(0, pieces)])
+        return first
+
+    def pass_pieces(self, request: Request, pieces: AsyncGenerator[Piece, None], first: Piece) -> AsyncIterator[Piece]:
+        return self._pieces(request, _Choice(0, pieces), first)
+
+    def pass_finished(self, generation: Generation) -> None:
+        """Metrics and the log line of one finished pass."""
+        self.generations = {0: generation}
+        self._finished()
 
 
 async def _disconnected(request: Request) -> None:

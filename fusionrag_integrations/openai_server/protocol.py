@@ -10,14 +10,17 @@ statistics under `fusionrag`.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from fusionrag_core.engine import Generation
 from fusionrag_core.errors import InvalidRequestError
+from fusionrag_core.query.logprobs import MAX_TOP_LOGPROBS
 from fusionrag_core.query.tools import InvalidToolCall, ToolCall
 from fusionrag_integrations.request import generation_stats
 
@@ -28,9 +31,14 @@ class StreamOptions(BaseModel):
 
 
 _RANGES = {"temperature": (0.0, 2.0, "[]"), "top_p": (0.0, 1.0, "(]"), "frequency_penalty": (-2.0, 2.0, "[]"),
-           "presence_penalty": (-2.0, 2.0, "[]")}
-"""OpenAI's range of each sampling number: low, high, and whether each end is in it ("[" in, "(" out).
+           "presence_penalty": (-2.0, 2.0, "[]"), "min_p": (0.0, 1.0, "[]"), "repetition_penalty": (0.0, 2.0, "(]")}
+"""OpenAI's range of each sampling number (vLLM's for its extra fields `min_p` and `repetition_penalty`):
+low, high, and whether each end is in it ("[" in, "(" out).
 NOTE: top_p 0 would be greedy; here it is refused (the core's `SamplingConfig` takes (0, 1])."""
+MAX_CHOICES = 128
+"""Most choices (`n`) one request may ask for: OpenAI's limit (the engine's `max_running` may be lower)."""
+MAX_COMPLETION_LOGPROBS = 5
+"""Most alternatives per token `/v1/completions` reports (`logprobs`): OpenAI's limit."""
 
 
 class _Request(BaseModel):
@@ -46,12 +54,25 @@ class _Request(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    """Choices: one prompt prepared once and decoded n times (the engine's `max_running` at most)."""
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logprobs: bool | int | None = None
     user: str | None = None
     """Accepted as OpenAI does: an end-user id for the caller's own records; it changes no answer."""
+    top_k: int | None = None
+    """vLLM's extra field: sample among the k most likely tokens (-1 or 0: all)."""
+    min_p: float | None = None
+    """vLLM's extra field: drop tokens below min_p x the most likely token's probability."""
+    repetition_penalty: float | None = None
+    """vLLM's extra field: CTRL's penalty on tokens already in the prompt or the answer (1: off)."""
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None) -> int | None:
+        if value is not None and value < -1:
+            raise ValueError(f"must be -1 or 0 (all tokens) or a positive number of tokens, got {value}")
+        return value
 
     @field_validator(*_RANGES)
     @classmethod
@@ -69,15 +90,12 @@ class _Request(BaseModel):
         """Refuse what is set but not done here.
 
         Raises:
-            InvalidRequestError: n > 1, penalties, logprobs.
+            InvalidRequestError: OpenAI's penalties (vLLM's `repetition_penalty` is done).
         """
-        if self.n != 1:
-            raise InvalidRequestError(f"n={self.n} is not supported: one choice per request (n=1)")
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
-                raise InvalidRequestError(f"{name} is not supported (only 0); repetition is not penalised here")
-        if self.logprobs not in (None, False, 0):
-            raise InvalidRequestError("logprobs is not supported")
+                raise InvalidRequestError(f"{name} is not supported (only 0); use repetition_penalty (vLLM's "
+                                          "extra field, > 1 penalises tokens already in the prompt or the answer)")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream=true")
 
@@ -91,7 +109,16 @@ class _Request(BaseModel):
             values["seed"] = self.seed
         if self.stop is not None:
             values["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        return values
+        if self.top_k is not None:
+            values["top_k"] = max(self.top_k, 0)  # NOTE: vLLM's -1 (all tokens) is the core's 0
+        for name in ("min_p", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        return {**values, **self.logprob_values()}
+
+    def logprob_values(self) -> dict[str, Any]:
+        """The request's logprobs settings as `SamplingConfig` values (`logprobs`, `top_logprobs`)."""
+        return {}
 
     def budget(self) -> int | None:
         return self.max_tokens
@@ -106,6 +133,22 @@ class ChatCompletionRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def parallel_calls(self) -> bool | None:
+        """`parallel_tool_calls`, defaulting as OpenAI's does: several calls may follow one another
+        when tools are bound and the request does not say, except under a `tool_choice` naming one
+        function, which forces one call of it (as OpenAI answers it); None without tools. A value
+        the request gives is always honoured."""
+        if self.parallel_tool_calls is None and self.tools:
+            return not isinstance(self.tool_choice, dict)
+        return self.parallel_tool_calls
+
+    def logprob_values(self) -> dict[str, Any]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true: set logprobs too, or drop top_logprobs")
+        return {"logprobs": bool(self.logprobs), "top_logprobs": self.top_logprobs or 0}
 
     def budget(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -124,13 +167,15 @@ class ChatCompletionRequest(_Request):
         Raises:
             InvalidRequestError: an unknown role, non-text content, or a malformed message.
         """
-        return [_chat_message(i, m) for i, m in enumerate(self.messages)]
+        messages = [_chat_message(i, m) for i, m in enumerate(self.messages)]
+        return [_named(i, m, self.messages[i].get("name"), messages[:i]) for i, m in enumerate(messages)]
 
 
 class CompletionRequest(_Request):
     """`POST /v1/completions`: a raw text prompt, continued (no chat template)."""
 
     prompt: str | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -143,6 +188,10 @@ class CompletionRequest(_Request):
             raise InvalidRequestError("suffix is not supported (no fill-in-the-middle)")
         if self.best_of not in (None, 1):
             raise InvalidRequestError(f"best_of={self.best_of} is not supported (1 only)")
+
+    def logprob_values(self) -> dict[str, Any]:
+        """Completions' `logprobs` is a count: the sampled token's logprob and that many alternatives."""
+        return {"logprobs": self.logprobs is not None, "top_logprobs": self.logprobs or 0}
 
     def text(self) -> str:
         if isinstance(self.prompt, list):
@@ -178,6 +227,39 @@ def _chat_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_NAME = re.compile(r"[^\s<|\\/>]{1,64}")
+"""A participant's name as OpenAI takes it: no whitespace and none of `<|\\/>` (so no special-token
+string can be written in one), at most 64 characters."""
+
+
+def _named(i: int, message: dict[str, Any], name: Any, earlier: list[dict[str, Any]]) -> dict[str, Any]:
+    """`message` with its participant's `name` honoured: written before a system, user or assistant
+    message's text as `name: text` (escaped like any text, so never a control token; chat templates
+    drop a `name` field); a tool message's must name the function of the call it answers.
+
+    Raises:
+        InvalidRequestError: a name that is not a string of OpenAI's pattern, one with nothing to
+            be shown with, or a tool message's name that is not its call's function.
+    """
+    if name is None:
+        return message
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidRequestError(f"messages[{i}].name {name!r} is not a valid name: use 1-64 characters with no "
+                                  "whitespace and none of < | \\ / >")
+    if message["role"] == "tool":
+        called = {c.get("id"): c.get("function", {}).get("name") for m in earlier for c in m.get("tool_calls") or ()
+                  if isinstance(c, dict)}
+        if called.get(message["tool_call_id"]) != name:
+            raise InvalidRequestError(
+                f"messages[{i}].name {name!r} is not the function of the call it answers ({message['tool_call_id']!r}"
+                f" calls {called.get(message['tool_call_id'])!r}): send the called function's name, or no name")
+        return message
+    if not message["content"]:
+        raise InvalidRequestError(f"messages[{i}].name {name!r} is given on a message with no text: the name is "
+                                  "shown before the text ('name: text'); drop the name or add the text")
+    return {**message, "content": f"{name}: {message['content']}"}
+
+
 def _text(i: int, content: Any) -> str:
     if content is None or isinstance(content, str):
         return content or ""
@@ -188,13 +270,15 @@ def _text(i: int, content: Any) -> str:
 
 
 # ---- responses --------------------------------------------------------------------------------------
-def usage(generation: Generation) -> dict[str, Any]:
-    """OpenAI's usage, with the prompt tokens served from a cache (reused chunk tokens and the
-    prefix cache) as `prompt_tokens_details.cached_tokens`."""
-    completion = len(generation.token_ids)
-    return {"prompt_tokens": generation.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": generation.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": generation.reused_tokens + generation.prefix_cached_tokens}}
+def usage(generations: Sequence[Generation]) -> dict[str, Any]:
+    """OpenAI's usage of a request's choices (their one prompt counted once, every choice's tokens
+    generated), with the prompt tokens served from a cache (reused chunk tokens and the prefix cache)
+    as `prompt_tokens_details.cached_tokens`."""
+    prompt = generations[0]
+    completion = sum(len(g.token_ids) for g in generations)
+    return {"prompt_tokens": prompt.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": prompt.reused_tokens + prompt.prefix_cached_tokens}}
 
 
 def fusionrag_stats(generation: Generation, invalid: list[InvalidToolCall]) -> dict[str, Any]:

@@ -95,14 +95,15 @@ class PassStream(Protocol):
     def _prompt(self, options: RequestOptions,
                 prompt: Callable[[ReuseSources], FusionPrompt]) -> tuple[FusionPrompt, ReuseSources]: ...
 
-    def _start(self, options: RequestOptions,
-               built: tuple[FusionPrompt, ReuseSources]) -> AsyncGenerator[Piece, None]: ...
+    def pass_start(self, options: RequestOptions,
+                   built: tuple[FusionPrompt, ReuseSources]) -> AsyncGenerator[Piece, None]: ...
 
-    async def _first(self, request: Request, pieces: AsyncGenerator[Piece, None]) -> Piece: ...
+    async def pass_first(self, request: Request, pieces: AsyncGenerator[Piece, None]) -> Piece: ...
 
-    def _pieces(self, request: Request, pieces: AsyncGenerator[Piece, None], first: Piece) -> AsyncIterator[Piece]: ...
+    def pass_pieces(self, request: Request, pieces: AsyncGenerator[Piece, None],
+                    first: Piece) -> AsyncIterator[Piece]: ...
 
-    def _finished(self, generation: Generation) -> None: ...
+    def pass_finished(self, generation: Generation) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -332,9 +333,9 @@ class ResponseOutput:
         calls: list[ToolCall | InvalidToolCall] = []
         while True:
             search_call: ToolCall | None = None
-            async for piece in stream._pieces(request, pieces, first):
+            async for piece in stream.pass_pieces(request, pieces, first):
                 if isinstance(piece, Generation):
-                    stream._finished(piece)
+                    stream.pass_finished(piece)
                     self.usage = usage(piece, self.usage or None)
                     self.generation = piece
                 elif isinstance(piece, ToolCall) and piece.name == FILE_SEARCH and not self.turn.searched:
@@ -367,9 +368,8 @@ class ResponseOutput:
                              else None})
         options = RequestOptions.from_values(values, response_format=body.response_format(), tools=tools)
         built = await anyio.to_thread.run_sync(stream._prompt, options, self.turn.prompt_fn(self.server, tools))
-        pieces = stream._start(options, built)
-        stream.exits.push_async_callback(pieces.aclose)
-        return pieces, await stream._first(request, pieces)
+        pieces = stream.pass_start(options, built)
+        return pieces, await stream.pass_first(request, pieces)
 
     def _budget_left(self) -> int:
         """Output tokens the response may still generate (max_output_tokens counts every pass's)."""
