@@ -151,8 +151,16 @@ class Healer:
     def wait(self, cache: PrefixCache, timeout_s: float | None) -> bool:
         """Block until no entry of `cache` has tokens to heal (or `timeout_s` passed); returns whether
         none has."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
-            return self._lock.wait_for(lambda: not self.pending(cache), timeout_s)
+            while self.pending(cache):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                # NOTE: woken after every piece; an entry evicted or replaced without one is seen
+                # at the next look, at most a second later
+                self._lock.wait(1.0 if left is None else min(left, 1.0))
+            return True
 
     def stats(self) -> dict[str, int]:
         """Lifetime totals: entries healed whole, pieces run, tokens healed, preemptions (a request
