@@ -183,6 +183,7 @@ def _real_settings() -> dict[str, dict[str, Any]]:
     from fusionrag_core.query.select import SelectConfig
     from fusionrag_core.store.tiered import TierConfig
     from fusionrag_integrations.openai_server.config import ServerConfig
+    from fusionrag_integrations.openai_server.vector_stores import VectorStoreConfig
 
     def defaults(cls: type) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -197,7 +198,7 @@ def _real_settings() -> dict[str, dict[str, Any]]:
 
     real = {cls.__name__: defaults(cls)
             for cls in (EngineConfig, SelectConfig, SamplingConfig, IngestConfig, TierConfig, RayConfig, ServerConfig,
-                        SchedulerConfig, PrefixCacheConfig, HealConfig)}
+                        SchedulerConfig, PrefixCacheConfig, VectorStoreConfig, HealConfig)}
     real["FusionIndex.open"] = {name: p.default for name, p in inspect.signature(FusionIndex.open).parameters.items()
                                 if name not in ("cls", "engine")}
     return real

@@ -94,3 +94,20 @@ def test_openai_server_cookbook_runs_and_reuses_caches(tmp_path: Path) -> None:
     # /metrics counted the four calls of the same prompt
     assert summary["metrics_reused_tokens"] == 4 * stats["reused_tokens"]
     assert summary["server_stopped"] is True
+
+
+@pytest.mark.slow
+def test_agents_file_search_cookbook_runs_and_reuses_caches(tmp_path: Path) -> None:
+    summary = run_notebook("agents_file_search.ipynb", tmp_path, ttft_rows=False)
+    # the search ran on the server with the question, and the answer cites the files it returned
+    assert summary["queries"] == ["Who designed the Lumen lighthouse?"] and summary["results"]
+    assert set(summary["citations"]) == set(summary["results"]) and summary["answer"].strip()
+    assert not any(m in summary["answer"] for m in MARK_CHARS)
+    # every retrieved chunk was found by its mark and >= 80% of its tokens were read from caches
+    stats = summary["stats"]
+    assert set(stats["chunk_found_by"].values()) == {"mark"} and stats["cache_misses"] == 0
+    assert stats["reused_tokens"] >= 0.8 * (stats["reused_tokens"] + stats["recomputed_tokens"]) > 0
+    assert stats["fused_chunks"] >= 1
+    # the follow-up continued the first turn's kept K/V
+    assert summary["follow_cached_tokens"] >= summary["first_input_tokens"]
+    assert summary["server_stopped"] is True

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server (`fusionrag serve`): any OpenAI client gets FusionRAG's reuse.
 
-* `create_app(session, config)`: the FastAPI app (app.py).
+* `create_app(session, config, vector_stores)`: the FastAPI app (app.py; vector stores: vector_stores.py).
 * `ServerConfig`: where it listens, its API key and limits (config.py).
 """
 

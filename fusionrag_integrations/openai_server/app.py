@@ -3,6 +3,7 @@ learned caches).
 
     POST /v1/chat/completions   chat (SSE when `stream`), tools, response_format
     POST /v1/completions        raw text continued (SSE when `stream`)
+    /v1/responses, /v1/files, /v1/vector_stores   the Responses API, file_search (responses.py, store_routes.py)
     GET  /v1/models             the one served model
     GET  /health                liveness
     GET  /metrics               Prometheus text (metrics.py)
@@ -28,7 +29,7 @@ import logging
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AsyncExitStack
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import anyio
 from fastapi import Depends, FastAPI, Request
@@ -47,6 +48,7 @@ from fusionrag_core.query.unicode import not_unicode_at
 from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_integrations.fields import bound_tools
 from fusionrag_integrations.openai_server.config import ServerConfig
+from fusionrag_integrations.openai_server.errors import HTTPError
 from fusionrag_integrations.openai_server.metrics import Metrics
 from fusionrag_integrations.openai_server.protocol import (
     ChatCompletionRequest,
@@ -58,31 +60,22 @@ from fusionrag_integrations.openai_server.protocol import (
     tool_call_dict,
     usage,
 )
+from fusionrag_integrations.openai_server.responses import ResponseOutput, add_response_routes
+from fusionrag_integrations.openai_server.store_routes import add_store_routes
+from fusionrag_integrations.openai_server.vector_stores import VectorStores
 from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.session import ReuseSession
 
 logger = logging.getLogger(__name__)
 Piece = str | ToolCall | InvalidToolCall | Generation
-_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "responses"}
 """Metric label of each generation route."""
 
 
-class HTTPError(HTTPException):
-    """An error answered with `status` and OpenAI's error body.
-
-    NOTE: a Starlette HTTPException, so FastAPI passes one raised while it reads the body (the
-    streamed body limit) through to its handler instead of answering a generic 400.
-    """
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
-        super().__init__(status, message, headers or {})
-        self.status, self.message, self.kind, self.code, self.headers = status, message, kind, code, headers or {}
-        self.param = param
-
-
-def create_app(session: ReuseSession, config: ServerConfig | None = None) -> FastAPI:
-    """A FastAPI app serving `session`'s model under the OpenAI API (see the module docstring)."""
+def create_app(session: ReuseSession, config: ServerConfig | None = None,
+               vector_stores: VectorStores | None = None) -> FastAPI:
+    """A FastAPI app serving `session`'s model under the OpenAI API (see the module docstring);
+    `vector_stores` (None: none) serves /v1/files, /v1/vector_stores and file_search."""
     config = config or ServerConfig()
     server = _Server(session, config)
     # NOTE: FastAPI's own documentation routes would be open to all; `_add_docs` serves them behind the key
@@ -100,7 +93,19 @@ def create_app(session: ReuseSession, config: ServerConfig | None = None) -> Fas
     app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/completions", server.completion, methods=["POST"], dependencies=auth)
+    add_response_routes(app, server, auth, vector_stores, lambda output: _ResponseStream(server, output))
+    add_store_routes(app, auth, vector_stores)
     return app
+
+
+class _Body(Protocol):
+    """What every generation route's body has (chat, completions, responses)."""
+
+    model: str | None
+
+    def check_supported(self) -> None: ...
+
+    def sampling_values(self, default_max_tokens: int) -> dict[str, Any]: ...
 
 
 class _Server:
@@ -162,13 +167,13 @@ class _Server:
                          and body.stream_options.include_usage)
         return await stream.respond(request, options, prompt, body.stream)
 
-    def _values(self, body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    def _values(self, body: _Body) -> dict[str, Any]:
         """The request's option values: its sampling, and the server's selection settings."""
         selection = {"selector": self.config.selector, "ratio": self.config.ratio}
         return {**body.sampling_values(self.config.default_max_tokens),
                 **{k: v for k, v in selection.items() if v is not None}}
 
-    def _check(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+    def _check(self, body: _Body) -> None:
         body.check_supported()
         if body.model not in (None, self.name):
             raise HTTPError(404, f"model {body.model!r} does not exist: this server serves {self.name!r}",
@@ -211,10 +216,14 @@ class _Stream:
     def _prompt(self, options: RequestOptions,
                 prompt: Callable[[ReuseSources], FusionPrompt]) -> tuple[FusionPrompt, ReuseSources]:
         """The request's prompt and sources (tokenizing, finding chunks by content: a worker thread's job)."""
-        sources = self.server.session.sources(options)
+        sources = self._sources(options)
         request_prompt = prompt(sources)
         self.server.check_length(request_prompt)
         return request_prompt, sources
+
+    def _sources(self, options: RequestOptions) -> ReuseSources:
+        """Where the request reads caches: the session's KV store, then its learned caches."""
+        return self.server.session.sources(options)
 
     def _start(self, options: RequestOptions, built: tuple[FusionPrompt, ReuseSources]) -> AsyncGenerator[Piece, None]:
         session = self.server.session
@@ -334,6 +343,24 @@ class _Stream:
         logger.info("%s %s: %d prompt tokens (%d reused), %d generated, ttft %.3f s", self.endpoint,
                     self.envelope.id, generation.prompt_tokens, generation.reused_tokens, len(generation.token_ids),
                     generation.ttft_s)
+
+
+class _ResponseStream(_Stream):
+    """A Responses API request on the chat path: `_Stream`'s admission, first token and disconnects,
+    with `responses.ResponseOutput`'s sources (a vector store's) and output (items, or events)."""
+
+    def __init__(self, server: _Server, output: ResponseOutput) -> None:
+        super().__init__(server, "responses", Envelope("resp", server.name), False)
+        self.output = output
+
+    def _sources(self, options: RequestOptions) -> ReuseSources:
+        return self.output.sources(options) or super()._sources(options)
+
+    async def _whole(self, request: Request, pieces: AsyncGenerator[Piece, None], first: Piece) -> dict[str, Any]:
+        return await self.output.whole(self, request, pieces, first)
+
+    def _events(self, request: Request, pieces: AsyncGenerator[Piece, None], first: Piece) -> AsyncIterator[str]:
+        return self.output.events(self, request, pieces, first)
 
 
 async def _disconnected(request: Request) -> None:

@@ -25,6 +25,7 @@ from fusionrag_integrations.session import ReuseConfig, ReuseSession
 
 if TYPE_CHECKING:
     from fusionrag_integrations.openai_server.ray_serve import RayServeOptions, ReplicaSpec
+    from fusionrag_integrations.openai_server.vector_stores import VectorStores
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +168,22 @@ def run(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequ
     if config.host != LOOPBACK:
         logger.warning("binding %s: the server is reachable from other machines%s", config.host,
                        "" if config.api_key else " without an API key")
-    serve_until_stopped(create_app(session_for(args, healing(args, engine().with_limits(limits))), config), config)
+    session = session_for(args, healing(args, engine().with_limits(limits)))
+    stores = vector_stores_for(args, session.engine)
+    try:
+        serve_until_stopped(create_app(session, config, stores), config)
+    finally:
+        stores.close()
     return 0
+
+
+def vector_stores_for(args: argparse.Namespace, engine: FusionEngine) -> VectorStores:
+    """The server's vector stores and uploaded files: collections `vs_*` of the --db corpus's Chroma
+    (or --chroma-url), their caches under --db (or --redis-url), uploads in `<db>/files/`."""
+    from fusionrag_integrations.openai_server.vector_stores import VectorStoreConfig, VectorStores
+
+    return VectorStores(engine, VectorStoreConfig(data_dir=Path(args.db).expanduser(), chroma_url=args.chroma_url,
+                                                  redis_url=args.redis_url))
 
 
 def serve_until_stopped(app: Callable[..., Any], config: ServerConfig) -> None:
@@ -220,7 +235,8 @@ class _CancelledAtShutdown(logging.Filter):
 COMMAND = Command(
     name="serve",
     help="serve the model over an OpenAI-compatible HTTP API, with FusionRAG's cache reuse",
-    description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. Every prompt "
+    description="Serve /v1/chat/completions, /v1/completions, /v1/responses (with file_search over /v1/vector_stores "
+                "and /v1/files), /v1/models, /health and /metrics. Every prompt "
                 "reuses the caches of the --db corpus's chunks it holds and learns the rest. With --ray, --replicas "
                 "copies run on Ray Serve behind one route, sharing a Chroma server and a KV store.",
     epilog="examples:\n  fusionrag serve\n  fusionrag --db ./data serve --port 8080 --api-key $KEY\n"
@@ -231,4 +247,4 @@ COMMAND = Command(
 )
 
 __all__ = ["COMMAND", "add_arguments", "ray_options", "replica_spec", "run", "scheduler_limits", "serve_until_stopped",
-           "server_config", "session_for"]
+           "server_config", "session_for", "vector_stores_for"]
