@@ -27,7 +27,10 @@ computed (the memoised prefix, an exact prefix cache across turns) serves anothe
 untimed warm-up request (the extra row) runs before it. Configurations run one after the other.
 
 Users are threads in a closed loop: each takes the next conversation from a shared queue and runs its
-turns, streaming (`engine.stream`). Per turn: TTFT (from building the prompt to the first text piece,
+turns, streaming (`engine.stream`); with `--think-s MIN,MAX` a user pauses before a follow-up (drawn
+per conversation), and with `--heal N` the engines with a scheduler heal kept turns while idle
+(`HealConfig(piece_tokens=N)`; the configuration records the engine's heal totals).
+Per turn: TTFT (from building the prompt to the first text piece,
 queueing included), the engine's own TTFT, inter-token latency ((last piece - first piece) / (tokens - 1)
 and the gaps between pieces), output tokens. Per configuration (`--requests` turns at most, follow-ups
 included, and `--budget-s` seconds from the first request): requests/s and output tokens/s over the
@@ -54,6 +57,7 @@ import math
 import os
 import platform
 import queue
+import random
 import statistics
 import subprocess
 import sys
@@ -69,6 +73,7 @@ from typing import Any
 import torch
 from matplotlib.figure import Figure
 
+from fusionrag_core.batching.heal import HealConfig
 from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.bench.data import BenchRow, load_rows
 from fusionrag_core.bench.methods import FULL_ATTENTION, METHODS, Method
@@ -238,6 +243,7 @@ class Serving:
     ratio: float
     store: KVStore
     sampling: SamplingConfig
+    think_s: tuple[float, float] | None = None  # a user's pause before a follow-up, drawn from this range
 
 
 def open_stream(s: Serving, prompt: FusionPrompt) -> GenerationStream:
@@ -310,6 +316,8 @@ def run_conversation(s: Serving, c: Conversation, turns: list[Turn], deadline: f
     if c.followup is None or generation is None or prompt is None or time.perf_counter() > deadline:
         return
     before = prompt.token_ids().tolist() + generation.token_ids
+    if s.think_s is not None:  # NOTE: a person reads the answer first: drawn per conversation, reproducibly
+        time.sleep(random.Random(c.index).uniform(*s.think_s))
     followup, _ = run_turn(s, turns[1], c.followup_messages(instruction, generation.text), deadline)
     if followup is not None:
         turns[1].shared_prefix_tokens = shared_prefix(followup.token_ids().tolist(), before)
@@ -318,10 +326,11 @@ def run_conversation(s: Serving, c: Conversation, turns: list[Turn], deadline: f
 
 # ---- one configuration ------------------------------------------------------------------------------------
 def engine_for(base: FusionEngine, scheduler: bool, args: argparse.Namespace) -> FusionEngine:
-    """A fresh engine on `base`'s weights, with the scheduler or without."""
+    """A fresh engine on `base`'s weights, with the scheduler or without (healing with --heal, with it)."""
     config = SchedulerConfig(max_running=args.max_running) if scheduler else None
+    heal = HealConfig(piece_tokens=args.heal) if args.heal is not None and scheduler else None
     return FusionEngine(base.model, base.tokenizer, name=base.name,
-                        config=dataclasses.replace(base.config, scheduler=config))
+                        config=dataclasses.replace(base.config, scheduler=config, heal=heal))
 
 
 def run_users(s: Serving, conversations: Sequence[Conversation], users: int,
@@ -365,7 +374,7 @@ def run_configuration(base: FusionEngine, corpus: Corpus, method: str, scheduler
     """One configuration on a fresh engine: an untimed warm-up turn, then the users; its summary."""
     engine = engine_for(base, scheduler, args)
     try:
-        s = Serving(engine, SERVED[method], args.ratio, corpus.index.store, args.sampling)
+        s = Serving(engine, SERVED[method], args.ratio, corpus.index.store, args.sampling, args.think_s)
         warm = Turn(-1, warmup.row, 0)
         run_turn(s, warm, warmup.first_messages(engine.config.instruction), math.inf)
         before = scheduler_counts(engine)
@@ -376,6 +385,8 @@ def run_configuration(base: FusionEngine, corpus: Corpus, method: str, scheduler
             steps, rows, passes, packed = (b - a for a, b in zip(before, scheduler_counts(engine), strict=True))
             summary["decode_steps"], summary["mean_batch"] = steps, round(rows / steps, 2) if steps else None
             summary["sparse_passes"], summary["mean_pack"] = passes, round(packed / passes, 2) if passes else None
+        if engine.config.heal is not None:
+            summary["heal"] = {k: v for k, v in engine.stats().items() if k.startswith("heal")}
         summary["turns"] = [t.record() for ts in turns for t in ts]
         return summary
     finally:
@@ -604,6 +615,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--neighbours", type=int, default=10, help="n of the fused ingest")
     p.add_argument("--max-running", type=int, default=SchedulerConfig().max_running,
                    help="the scheduler's max_running")
+    p.add_argument("--think-s", default=None, metavar="MIN,MAX",
+                   help="a user's pause before a follow-up, drawn uniformly from MIN..MAX seconds (default: none)")
+    p.add_argument("--heal", type=int, default=None, metavar="PIECE_TOKENS",
+                   help="engines with a scheduler heal kept turns while idle (HealConfig; default: off)")
     p.add_argument("--goal-users", type=int, default=16, help="users of the throughput goals")
     p.add_argument("--db", type=Path, default=None, help="keep the ingested corpus here (default: a temp dir)")
     p.add_argument("--model", default=None, help="default: the packaged SmolLM2-135M")
@@ -627,6 +642,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     if not 0 <= args.followups <= 1 or args.budget_s <= 0:
         p.error("--followups must be in [0, 1] and --budget-s > 0")
+    if args.think_s is not None:
+        try:
+            low, high = (float(x) for x in args.think_s.split(","))
+        except ValueError:
+            p.error(f"--think-s takes MIN,MAX seconds, got {args.think_s!r}")
+        if not 0 <= low <= high:
+            p.error("--think-s needs 0 <= MIN <= MAX")
+        args.think_s = (low, high)
+    if args.heal is not None and args.heal < 1:
+        p.error("--heal must be >= 1")
     args.sampling = SamplingConfig(max_new_tokens=args.max_tokens, stop=() if args.no_stop else ANSWER_STOP)
     return args
 

@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fusionrag_core.batching.generation import AsyncGenerationStream, Generation, GenerationStream, generation_of
+from fusionrag_core.batching.heal import Healer
 from fusionrag_core.batching.loop import BatchLoop
 from fusionrag_core.batching.phases import Shared, keep
 from fusionrag_core.batching.prefix_cache import PrefixCache
@@ -94,7 +95,8 @@ class FusionEngine:
         # NOTE: the prefix every chunk cache is computed after (see `chunk_cache`): a prompt that
         # starts with it has an exact independent cache for its first chunk.
         self._shared = Shared(self.decoder, tokenizer, self.fingerprint, self.system_prefixes, self.prefix_cache,
-                              self._loader, self.layout.prefix_ids(self.config.instruction))
+                              self._loader, self.layout.prefix_ids(self.config.instruction),
+                              Healer(self.config.heal) if self.config.heal is not None else None)
         self.loop = (BatchLoop(Scheduler(self.config.scheduler, default_kv_budget(self.config.scheduler, self.device)),
                                Runner(self._shared)) if self.config.scheduler is not None else None)
         # NOTE: loading and packing the model ran parallel ops on this thread; the OpenMP pool they left
@@ -373,6 +375,8 @@ class FusionEngine:
     def _finish(self, request: Request) -> Generation:
         """The decoded request kept and learned from (`phases.keep`), its Generation; audited when asked."""
         keep(request, self._shared)  # NOTE: after decoding: what it stores never delays the answer
+        if self.loop is not None:
+            self.loop.heal_soon()
         lookup = request.lookup
         tiers = lookup.tiers.as_dict() if isinstance(lookup, ChunkLookup) else {}
         fallbacks = lookup.fallbacks if isinstance(lookup, ChunkLookup) else {}
@@ -393,13 +397,29 @@ class FusionEngine:
     def stats(self) -> dict[str, int]:
         """Lifetime totals of the engine's shared state: the prefix cache's hits, misses, tokens
         served, evictions, entries and bytes; the scheduler's decode steps and their rows, its
-        sparse passes and the requests they carried (packed), and the requests running and waiting now."""
+        sparse passes and the requests they carried (packed), and the requests running and waiting now;
+        with `EngineConfig.heal`, the healer's totals (`Healer.stats`)."""
         out: dict[str, int] = {}
         if self.prefix_cache is not None:
             out.update(self.prefix_cache.stats())
         if self.scheduler is not None:
             out.update(self.scheduler.stats())
+        if self._shared.healer is not None:
+            out.update(self._shared.healer.stats())
         return out
+
+    def wait_for_heals(self, timeout_s: float | None = None) -> bool:
+        """Block until no kept request is left to heal (`EngineConfig.heal`), or `timeout_s` passed;
+        returns whether none is. Healing runs only while no request waits or runs.
+
+        Raises:
+            InvalidRequestError: this engine does not heal.
+        """
+        healer, cache = self._shared.healer, self.prefix_cache
+        if healer is None or cache is None or self.loop is None:
+            raise InvalidRequestError("this engine does not heal kept requests: set EngineConfig.heal")
+        self.loop.heal_soon()
+        return healer.wait(cache, timeout_s)
 
     def audit_summary(self) -> dict[str, Any]:
         """Live audit totals over the engine's life (see `fusionrag_core.query.audit.Auditor.summary`)."""

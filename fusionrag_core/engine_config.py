@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fusionrag_core.batching.heal import HealConfig
 from fusionrag_core.batching.prefix_cache import PrefixCacheConfig
 from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.errors import InvalidRequestError
@@ -67,6 +68,10 @@ class EngineConfig:
             schema sets no `maxLength` (`fusionrag_core.query.tools.DEFAULT_STRING_CHARS`, 200): a
             small model that repeats itself inside a free-text argument is made to close it, and its
             call with it, instead of running to `max_tokens`. A schema's own `maxLength` wins.
+        heal: heal kept requests while the engine is idle (`fusionrag_core.batching.heal`): a kept
+            FusionRAG turn's K/V are recomputed from its first inexact token on, in pieces, so a
+            later turn continues exact K/V (full attention's) instead of approximate ones. Needs
+            `prefix_cache` and `scheduler`. None: off (a kept turn stays as computed).
     """
 
     selector: str = DEFAULT_SELECTOR
@@ -83,8 +88,13 @@ class EngineConfig:
     scheduler: SchedulerConfig | None = field(default_factory=SchedulerConfig)
     prefix_cache: PrefixCacheConfig | None = field(default_factory=PrefixCacheConfig)
     tool_string_chars: int = DEFAULT_STRING_CHARS
+    heal: HealConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.heal is not None and (self.prefix_cache is None or self.scheduler is None):
+            missing = "prefix_cache" if self.prefix_cache is None else "scheduler"
+            raise InvalidRequestError(f"EngineConfig.heal heals the prefix cache's entries while the scheduler is "
+                                      f"idle: it needs a {missing} (set one, or heal=None)")
         if self.idle_kv_bytes < 0:
             raise InvalidRequestError(f"idle_kv_bytes must be >= 0, got {self.idle_kv_bytes}")
         if self.load_workers < 1:

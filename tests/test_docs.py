@@ -172,6 +172,7 @@ ROW = re.compile(r"^\| `([A-Z][\w.]*)` \| (.+?) \| (.*?) \|", flags=re.MULTILINE
 
 def _real_settings() -> dict[str, dict[str, Any]]:
     """Entry point -> setting -> default (inspect.Parameter.empty when required)."""
+    from fusionrag_core.batching.heal import HealConfig
     from fusionrag_core.batching.prefix_cache import PrefixCacheConfig
     from fusionrag_core.batching.scheduler import SchedulerConfig
     from fusionrag_core.engine import EngineConfig
@@ -197,7 +198,7 @@ def _real_settings() -> dict[str, dict[str, Any]]:
 
     real = {cls.__name__: defaults(cls)
             for cls in (EngineConfig, SelectConfig, SamplingConfig, IngestConfig, TierConfig, RayConfig, ServerConfig,
-                        SchedulerConfig, PrefixCacheConfig, VectorStoreConfig)}
+                        SchedulerConfig, PrefixCacheConfig, VectorStoreConfig, HealConfig)}
     real["FusionIndex.open"] = {name: p.default for name, p in inspect.signature(FusionIndex.open).parameters.items()
                                 if name not in ("cls", "engine")}
     return real

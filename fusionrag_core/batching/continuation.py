@@ -153,7 +153,8 @@ def settle(st: Stitched, selected: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], fingerprint: str,
-              kept_runs: tuple[ReusedRun, ...], exact_base: int, selection: tuple[str, float | None]) -> KeptPrefix:
+              kept_runs: tuple[ReusedRun, ...], exact_base: int, selection: tuple[str, float | None],
+              healed: torch.Tensor | None = None) -> KeptPrefix:
     """The finished request's K/V as a prefix entry: every computed slot (prompt, then the answer tokens
     fed back), which of them are reused chunk tokens never recomputed, and where those came from.
 
@@ -167,6 +168,7 @@ def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], finge
         exact_base: how many leading slots held exact K/V before its passes ran (the prefix, an exact
             first chunk, a continued entry's exact head).
         selection: its selector and ratio.
+        healed: `[n]` bool: which tokens of the kept head it continued healing made exact (None: none).
     """
     T = st.buf.length
     inexact = torch.zeros(T, dtype=torch.bool)
@@ -184,15 +186,7 @@ def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], finge
     for slots, source in zip(st.chunk_slots, st.chunk_sources, strict=True):
         if source is not None:
             runs.append(ReusedRun(int(slots[0]), int(slots[-1]) + 1, *source))
-    # NOTE: slots its recompute pass and decode steps computed attend to every slot before them, so
-    # they extend the exact head as long as they follow it without a gap
-    computed = torch.zeros(T, dtype=torch.bool)
-    for slots in (selected, st.forced_slots, st.question_slots):
-        computed[slots.cpu()] = True
-    computed[int(st.slot_tokens.shape[0]):] = True
-    exact = exact_base
-    while exact < T and computed[exact]:
-        exact += 1
+    exact = exact_head(st, selected, exact_base)
     fed = T - int(st.slot_tokens.shape[0])
     assert 0 <= fed <= len(answer_ids), f"{fed} slots after the prompt, {len(answer_ids)} answer tokens"
     token_ids = torch.cat([st.slot_tokens.cpu(), torch.tensor(answer_ids[:fed], dtype=torch.int64)])  # [T]
@@ -202,7 +196,24 @@ def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], finge
         keys=keys, values=values, inexact=inexact, drift=drift,
         runs=tuple(sorted(runs, key=lambda r: r.start)), fingerprint=fingerprint,
         prompt_tokens=int(st.slot_tokens.shape[0]), exact_tokens=exact, selector=selection[0], ratio=selection[1],
+        healed=None if healed is None else torch.cat([healed, torch.zeros(T - int(healed.shape[0]), dtype=torch.bool)]),
     )
+
+
+def exact_head(st: Stitched, selected: torch.Tensor, exact_base: int) -> int:
+    """How many leading slots of a request's buffer hold what full attention computes, once its passes
+    ran: `exact_base`, extended by the slots its recompute pass and decode steps computed."""
+    # NOTE: slots its recompute pass and decode steps computed attend to every slot before them, so
+    # they extend the exact head as long as they follow it without a gap
+    T = st.buf.length
+    computed = torch.zeros(T, dtype=torch.bool)
+    for slots in (selected, st.forced_slots, st.question_slots):
+        computed[slots.cpu()] = True
+    computed[int(st.slot_tokens.shape[0]):] = True
+    exact = exact_base
+    while exact < T and computed[exact]:
+        exact += 1
+    return exact
 
 
 def _segment_starts(prompt: FusionPrompt) -> list[int]:
@@ -220,4 +231,4 @@ def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(edges[0::2], edges[1::2], strict=True))
 
 
-__all__ = ["continued_head", "head_cache", "kept_from", "reopen", "rest_of", "settle", "verified_head"]
+__all__ = ["continued_head", "exact_head", "head_cache", "kept_from", "reopen", "rest_of", "settle", "verified_head"]

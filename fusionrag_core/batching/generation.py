@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 
+from fusionrag_core.batching.continuation import exact_head
 from fusionrag_core.batching.request import Request
 from fusionrag_core.errors import AccountingError
 from fusionrag_core.query.audit import AuditResult
@@ -60,6 +61,12 @@ class Generation:
             or None when it was not audited.
         logprobs: each generated token's log-probability (`query.logprobs.TokenLogprob`), when its
             sampling asked for them (`SamplingConfig.logprobs`); else None.
+        exact_tokens: prompt tokens whose K/V, when the first token was picked, were what full
+            attention computes (healed ones not included); the prompt's exact head.
+        healed_tokens: prompt tokens of that head continued from a kept request that healing made
+            exact (`EngineConfig.heal`).
+        approximate_tokens: the rest of the prompt (reused K/V, and every token computed after
+            one): `exact_tokens + healed_tokens + approximate_tokens == prompt_tokens`.
     """
 
     text: str
@@ -87,6 +94,14 @@ class Generation:
     kept_prefix_tokens: int = 0
     audit: AuditResult | None = None
     logprobs: list[TokenLogprob] | None = None
+    exact_tokens: int = 0
+    healed_tokens: int = 0
+    approximate_tokens: int = 0
+
+    @property
+    def continued_healed_cache(self) -> bool:
+        """Whether it continued a kept request's K/V that healing made exact (in part)."""
+        return self.healed_tokens > 0
 
     @property
     def recomputed_fraction(self) -> float:
@@ -141,6 +156,10 @@ class Generation:
             "independent_chunks": self.cache_variants.get("independent", 0),
             "cache_fallbacks": len(self.cache_fallbacks),
             "chunks_without_drift": self.chunks_without_drift,
+            "exact_tokens": self.exact_tokens,
+            "healed_tokens": self.healed_tokens,
+            "approximate_tokens": self.approximate_tokens,
+            "continued_healed_cache": self.continued_healed_cache,
             **{f"kv_{k}": v for k, v in self.kv_tiers.items()},
             "audit_kl_first_token": self.audit.kl_first_token if self.audit else None,
             "audit_first_token_agree": self.audit.first_token_agree if self.audit else None,
@@ -215,6 +234,9 @@ def generation_of(request: Request, *, kv_tiers: dict[str, int], cache_fallbacks
     assert request.first_logits is not None
     account.check()
     context = prompt.num_tokens - int(prompt.prefix.shape[0]) - int(prompt.question.shape[0])
+    assert request.selected is not None
+    exact = min(exact_head(st, request.selected, request.exact_base), prompt.num_tokens)
+    healed = int(request.healed_head.sum()) if request.healed_head is not None else 0
     return Generation(
         text=decoding.text,
         token_ids=list(decoding.ids),
@@ -240,6 +262,9 @@ def generation_of(request: Request, *, kv_tiers: dict[str, int], cache_fallbacks
         system_prefix_tokens=account.system_prefix,
         kept_prefix_tokens=account.prefix_cached,
         logprobs=list(decoding.logprobs) if request.sampling.logprobs else None,
+        exact_tokens=exact - healed,
+        healed_tokens=healed,
+        approximate_tokens=prompt.num_tokens - exact,
     )
 
 

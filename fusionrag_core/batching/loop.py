@@ -10,6 +10,12 @@ as without a scheduler. A request read on an asyncio event loop (`apieces`) cann
 (a step would block the event loop): the loop's own thread leads while such requests exist, and
 each piece reaches the event loop as it is put, with no thread hop per token.
 
+Healing (`batching.heal`) has a thread of its own, `fusionrag-heal`, started with the first kept
+request that needs it: woken when the engine goes idle or keeps a request, it leads one heal step
+at a time (`Scheduler.plan(heal=True)`) while no request waits or runs and an entry needs healing,
+handing its OpenMP pool back after each. A request that arrives meanwhile waits for that one step,
+then is handed the lead as usual.
+
 Each consumer is woken for its own pieces as they are put (its first token reaches it before the
 step's decode pass ends), and when a step ends the oldest idle consumer, if any, is woken to lead
 the next one: one wake-up per step, never one per consumer. A consumer that leaves hands on a lead
@@ -52,6 +58,8 @@ class BatchLoop:
         self._idle: dict[int, RequestOutput] = {}
         self._driver: threading.Thread | None = None
         self._driver_wake = RequestOutput()  # NOTE: the driver's own wake-ups; it never carries events
+        self._healing: threading.Thread | None = None
+        self._heal_wake = threading.Event()
 
     # ---- consumers on threads ----------------------------------------------------------------------------
     def pieces(self, request: Request) -> Iterator[str]:
@@ -126,6 +134,37 @@ class BatchLoop:
             else:
                 self._driver_wake.wait()
 
+    # ---- healing ---------------------------------------------------------------------------------------
+    def heal_soon(self) -> None:
+        """A kept request may need healing: wake the heal thread (started on first use); a no-op when
+        the engine does not heal."""
+        if self.runner.shared.healer is None or self.runner.shared.prefix_cache is None:
+            return
+        with self._lock:
+            if self._healing is None:
+                self._healing = threading.Thread(target=self._heal, name="fusionrag-heal", daemon=True)
+                self._healing.start()
+        self._heal_wake.set()
+
+    def _heal(self) -> None:
+        """The heal thread: one heal step at a time while the engine is idle and an entry needs it."""
+        while True:
+            self._heal_wake.wait()
+            self._heal_wake.clear()
+            while self._lead_heal():
+                self._step(heal=True)
+                threads.release_pool()  # NOTE: whoever leads next must not share the cores with its pool
+
+    def _lead_heal(self) -> bool:
+        """Take the lead for a heal step if no one holds it, no request waits or runs, and an entry
+        needs healing. Returns whether it was taken."""
+        healer, cache = self.runner.shared.healer, self.runner.shared.prefix_cache
+        with self._lock:
+            if self._leading or self.scheduler.has_work or healer is None or cache is None or not healer.pending(cache):
+                return False
+            self._leading = True
+            return True
+
     # ---- both --------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
         """Queue `request` and wake an idle consumer (or the loop's thread) to lead, if no one does.
@@ -169,10 +208,10 @@ class BatchLoop:
             waiter = self._idle.pop(next(iter(self._idle)))
         waiter.wake()
 
-    def _step(self) -> None:
-        """One step, by the thread holding the lead; releases the lead."""
+    def _step(self, *, heal: bool = False) -> None:
+        """One step, by the thread holding the lead (`heal`: the heal thread); releases the lead."""
         try:
-            plan = self.scheduler.plan()
+            plan = self.scheduler.plan(heal=heal)
             more: list[Request] = []  # NOTE: admitted while the plan's admissions were stitched
 
             def admit_more() -> tuple[Request, ...]:
@@ -201,6 +240,8 @@ class BatchLoop:
         with self._lock:
             self._leading = False
         self._hand_over()
+        if self._healing is not None and not self.scheduler.has_work:
+            self._heal_wake.set()  # NOTE: idle: healing may go on
 
 
 __all__ = ["BatchLoop"]

@@ -27,6 +27,7 @@ from fusionrag_core.batching.continuation import (
     rest_of,
     settle,
 )
+from fusionrag_core.batching.heal import Healer, healed_head
 from fusionrag_core.batching.prefix_cache import KeptPrefix, PrefixCache
 from fusionrag_core.batching.request import Phase, Request
 from fusionrag_core.batching.system_prefixes import SystemPrefixes
@@ -52,6 +53,7 @@ class Shared:
         prefix_cache: finished requests' K/V for later prompts (None: off).
         loader: threads that load a request's chunk caches concurrently.
         canonical_prefix: `[P]` the system prefix chunk caches are computed after.
+        healer: heals kept requests while the engine is idle (None: off; `batching.heal`).
     """
 
     decoder: Decoder
@@ -61,6 +63,7 @@ class Shared:
     prefix_cache: PrefixCache | None
     loader: Executor
     canonical_prefix: torch.Tensor
+    healer: Healer | None = None
 
 
 # ---- stitch --------------------------------------------------------------------------------------------
@@ -107,6 +110,7 @@ def _stitch_continued(request: Request, shared: Shared, lookup: CacheLookup, kep
     request.account.prefilled = int(request.stitched_prompt.question.shape[0])
     request.account.prefix_cached = n - reopened
     request.exact_base = min(n, kept.exact_tokens)
+    request.healed_head = healed_head(kept, n)
     # NOTE: the new question gets the recompute budget a fresh request would: a share of every
     # reused chunk token (those of the exact head are no candidates)
     chunk_tokens = sum(r.end - r.start for r in request.continued_runs)
@@ -245,7 +249,8 @@ def keep(request: Request, shared: Shared) -> None:
         request.learn(request.stitched_prompt, st)
     if shared.prefix_cache is not None:
         kept = kept_from(st, request.selected, decoding.ids, shared.fingerprint, request.continued_runs,
-                         request.exact_base, (request.selection.name, request.selection.ratio))
+                         request.exact_base, (request.selection.name, request.selection.ratio),
+                         request.healed_head)
         shared.prefix_cache.keep(kept, replaces=request.continued)
         request.enter(Phase.KEPT)
 

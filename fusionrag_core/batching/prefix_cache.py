@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -106,6 +106,8 @@ class KeptPrefix:
             selection candidate) but stays approximate if an earlier token was when it ran.
         selector, ratio: the selection its request ran (a repeat of its prompt with the same one is
             answered from its K/V as they are).
+        healed: `[T]` bool: tokens made exact by healing (`batching.heal`), all within the exact
+            head; None: none.
     """
 
     token_ids: torch.Tensor
@@ -119,6 +121,7 @@ class KeptPrefix:
     exact_tokens: int
     selector: str
     ratio: float | None
+    healed: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -201,13 +204,28 @@ class PrefixCache:
             if replaces is not None:
                 for tier in ("device", "host"):
                     for key, kept in list(self._tier(tier).items()):
-                        if kept is replaces:
+                        if kept is replaces or kept.keys is replaces.keys:  # NOTE: or its healed successor
                             self._drop(tier, key)
             key = self._next_id
             self._next_id += 1
             for digest, _ in _chain(entry.token_ids, self.config.block_tokens):
                 self._blocks[digest] = key
             self._admit(key, entry.to(self.device))
+
+    def update(self, old: KeptPrefix, new: KeptPrefix) -> bool:
+        """Put `new` (the same tokens, its K/V healed further: `batching.heal`) where `old` is, in the
+        device tier; returns False when `old` is no longer there (replaced, evicted or demoted)."""
+        with self._lock:
+            for key, kept in self._device.items():
+                if kept is old:
+                    self._device[key] = new
+                    return True
+            return False
+
+    def most_recent(self, wanted: Callable[[KeptPrefix], bool]) -> KeptPrefix | None:
+        """The most recently used device-tier entry that is `wanted` (its recency unchanged), or None."""
+        with self._lock:
+            return next((kept for kept in reversed(self._device.values()) if wanted(kept)), None)
 
     def clear(self) -> None:
         with self._lock:

@@ -229,6 +229,8 @@ class Request:
         continued: the kept prefix it continued whole (what it keeps supersedes it).
         continued_runs: the chunk runs of the kept prefix it continued (carried into what it keeps).
         exact_base: leading slots exact before its passes ran (see `continuation.kept_from`).
+        healed_head: `[n]` bool: which tokens of the kept head it continued healing made exact
+            (`batching.heal`); None: none.
         forced_prefilled: context without a usable cache counts as prefilled (not full attention).
         probe: the probe its selector reads (None: none); run packed with others' by the runner.
         selected: `[K]` the slots its selector chose.
@@ -264,6 +266,7 @@ class Request:
     continued: KeptPrefix | None = None
     continued_runs: tuple[ReusedRun, ...] = ()
     exact_base: int = 0
+    healed_head: torch.Tensor | None = None
     forced_prefilled: bool = False
     probe: Probe | None = None
     selected: torch.Tensor | None = None

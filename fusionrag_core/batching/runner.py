@@ -4,6 +4,7 @@
     admit   ─► stitch each ─► probe (one pass) ─► select each ─► recompute (one pass) ─► forks copied
             ─► first token each (forks included)
     decode  ─► one batched decode step ─► next token each
+    heal    ─► one piece of a kept request's healing (an idle step only)
 
 A request's failure stays its own: a phase that fails for one request fails that request alone,
 and a packed pass that fails (say out of memory) is logged and its requests run it one at a time.
@@ -41,6 +42,9 @@ class Runner:
                 were stitched (`Scheduler.admit_more`): stitched too, they share the step's passes.
         """
         left: list[Request] = []
+        healer, cache = self.shared.healer, self.shared.prefix_cache
+        if healer is not None and (plan.admit or plan.decode):
+            healer.preempt()  # NOTE: counted when healing paused mid-entry for these requests
         for r in plan.dropped:
             r.finish()
             left.append(r)
@@ -49,6 +53,8 @@ class Runner:
         rows = 0
         if plan.step:
             rows = self._decode([r for r in (*plan.decode, *started) if r.phase is Phase.DECODING], left)
+        if plan.heal and healer is not None and cache is not None:
+            healer.run_piece(self.shared.decoder, cache)
         return StepOutput(left=tuple(left), decoded_rows=rows, packs=tuple(packs))
 
     # ---- admissions --------------------------------------------------------------------------------------

@@ -18,6 +18,9 @@ One step:
 2. **decode**, when requests were running before the step or none was admitted: one batched
    decode step over every running request (those just admitted included). On an idle engine an
    admitting step ends without it, so a lone request's first token waits for no decode step.
+3. **heal**, the lowest priority: only in a step planned for it (`plan(heal=True)`, by the loop's
+   heal thread) that finds no request waiting or running: one piece of a kept request's healing
+   (`batching.heal`), so an arrival waits for one piece at most.
 
 Admission is the one limit of the whole engine: `add` refuses a request with `OverloadedError`
 (naming the limit to raise) when `max_waiting` requests already wait, or when its K/V alone exceed
@@ -97,12 +100,14 @@ class StepPlan:
         decode: requests that were decoding before this step.
         step: after the admissions, one batched decode step over `decode` and the admitted
             requests that still decode.
+        heal: run one piece of healing (nothing else to do in this step).
     """
 
     dropped: tuple[Request, ...]
     admit: tuple[Request, ...]
     decode: tuple[Request, ...]
     step: bool
+    heal: bool = False
 
     @property
     def requests(self) -> tuple[Request, ...]:
@@ -178,8 +183,9 @@ class Scheduler:
                 )
             self._waiting.append(request)
 
-    def plan(self) -> StepPlan:
-        """The next step: dropped requests, admissions, and whether to decode (see the module doc)."""
+    def plan(self, *, heal: bool = False) -> StepPlan:
+        """The next step: dropped requests, admissions, and whether to decode (see the module doc);
+        `heal`: a piece of healing when there is nothing else to do."""
         with self._lock:
             dropped = [r for r in (*self._waiting, *self._running) if r.cancelled]
             for r in dropped:
@@ -187,7 +193,9 @@ class Scheduler:
             decode = tuple(self._running)
             self._step_tokens = 0
             admit = self._admit()
-        return StepPlan(dropped=tuple(dropped), admit=admit, decode=decode, step=bool(decode) or not admit)
+        idle = not (dropped or admit or decode)
+        return StepPlan(dropped=tuple(dropped), admit=admit, decode=decode, step=bool(decode) or not admit,
+                        heal=heal and idle)
 
     def admit_more(self) -> tuple[Request, ...]:
         """Requests that arrived while this step's admissions were being stitched, within what room and

@@ -178,6 +178,19 @@ class KVBuffer:
         self.valid = torch.zeros(capacity, dtype=torch.bool, device=device)  # [S]
         self.length = 0
 
+    @classmethod
+    def over(cls, keys: torch.Tensor, values: torch.Tensor) -> KVBuffer:
+        """A full buffer over existing K/V `[L, H, T, D]` at positions `0..T-1`, every slot valid: a
+        pass rewrites some of its slots in place (healing a kept prefix: `batching.heal`)."""
+        buf = cls.__new__(cls)
+        buf._memory = None
+        buf.keys, buf.values = keys, values
+        T = int(keys.shape[2])
+        buf.positions = torch.arange(T, device=keys.device)  # [T]
+        buf.valid = torch.ones(T, dtype=torch.bool, device=keys.device)  # [T]
+        buf.length = T
+        return buf
+
     @property
     def capacity(self) -> int:
         return int(self.keys.shape[2])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from fusionrag_core.batching.heal import HealConfig
 from fusionrag_core.batching.scheduler import SchedulerConfig
 from fusionrag_core.cli import Command, open_index, positive_int
 from fusionrag_core.engine import FusionEngine
@@ -41,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"requests decoded at once, in one batched step (default: {limits.max_running})")
     parser.add_argument("--max-waiting", type=int, default=limits.max_waiting,
                         help=f"requests queued in the engine before 429 (default: {limits.max_waiting})")
+    parser.add_argument("--heal", type=positive_int, default=None, metavar="PIECE_TOKENS",
+                        help="heal kept conversations while idle, in pieces of PIECE_TOKENS tokens (e.g. 64): a "
+                             "later turn continues exact K/V (EngineConfig.heal; default: off)")
     parser.add_argument("--max-body-bytes", type=positive_int, default=defaults.max_body_bytes,
                         help=f"largest request body (default: {defaults.max_body_bytes})")
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=None,
@@ -104,6 +109,13 @@ def scheduler_limits(args: argparse.Namespace) -> SchedulerConfig:
         InvalidRequestError: a limit out of range (`SchedulerConfig`'s checks).
     """
     return SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting)
+
+
+def healing(args: argparse.Namespace, engine: FusionEngine) -> FusionEngine:
+    """`engine`, healing kept requests with --heal (on the same weights)."""
+    if args.heal is None:
+        return engine
+    return engine.with_config(dataclasses.replace(engine.config, heal=HealConfig(piece_tokens=args.heal)))
 
 
 def session_for(args: argparse.Namespace, engine: FusionEngine) -> ReuseSession:
@@ -170,6 +182,9 @@ def run(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequ
     limits = scheduler_limits(args)
     scale_out = ray_options(args)
     if scale_out is not None:
+        if args.heal is not None:
+            raise InvalidRequestError("--heal heals one server's kept conversations; --ray replicas do not heal yet: "
+                                      "drop --heal or --ray")
         from fusionrag_integrations.openai_server import ray_serve
 
         ray_serve.serve_until_interrupted(replica_spec(args, engine, config), scale_out)
@@ -177,7 +192,7 @@ def run(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequ
     if config.host != LOOPBACK:
         logger.warning("binding %s: the server is reachable from other machines%s", config.host,
                        "" if config.api_key else " without an API key")
-    session = session_for(args, engine().with_limits(limits))
+    session = session_for(args, healing(args, engine().with_limits(limits)))
     stores = vector_stores_for(args, session.engine)
     try:
         serve_until_stopped(create_app(session, config, stores), config)

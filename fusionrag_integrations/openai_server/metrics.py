@@ -3,7 +3,7 @@
 Requests and errors by endpoint and status; TTFT and latency histograms; prompt tokens by where
 their K/V came from (reused, recomputed, prefilled, prefix-cached) and completion tokens; chunk
 cache hits and bytes per tier; the queue (running, waiting); and the engine's own totals
-(`FusionEngine.stats()`: its prefix cache and scheduler), read when scraped. Read at `GET /metrics`.
+(`FusionEngine.stats()`: its prefix cache, scheduler and healing), read when scraped. Read at `GET /metrics`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,13 @@ ENGINE_STATS: dict[str, tuple[str, str, bool]] = {
     "running": ("fusionrag_engine_running", "Requests in the engine's running batch now", False),
     "waiting": ("fusionrag_engine_waiting", "Requests waiting for the engine's batch now", False),
     "running_kv_bytes": ("fusionrag_engine_running_kv_bytes", "K/V bytes the running requests hold now", False),
+    "heals": ("fusionrag_heals", "Kept requests healed whole (their K/V made exact while idle)", True),
+    "heal_pieces": ("fusionrag_heal_pieces", "Pieces of healing run", True),
+    "healed_tokens": ("fusionrag_healed_tokens", "Kept tokens healing made exact", True),
+    "heal_preempted": ("fusionrag_heal_preempted", "Heals paused mid-entry for an arriving request", True),
+    "heal_failures": ("fusionrag_heal_failures", "Pieces of healing that failed (their entry stays approximate)",
+                      True),
+    "heal_ms": ("fusionrag_heal_milliseconds", "Time the pieces of healing took", True),
 }
 
 
