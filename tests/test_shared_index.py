@@ -119,6 +119,38 @@ def test_an_unreachable_server_finds_nothing_with_one_warning_then_recovers(
     store.close()
 
 
+def test_a_new_process_loads_every_row_whole_rows_sharing_an_anchor_included(redis_url: str, namespace: str,
+                                                                             tmp_path: Path) -> None:
+    # NOTE: "a0" and "a1" hold one text (one anchor hash, two rows); the reader loads the rows whole at once
+    entries = [(f"c{i}", t) for i, t in enumerate(TEXTS)] + [("a0", TEXTS[3]), ("a1", TEXTS[3])]
+    disk = ContentIndex(tmp_path)
+    disk.add(entries)
+    with RedisKVStore(redis_url, namespace) as writer:
+        writer.content_index().add(entries)
+    with RedisKVStore(redis_url, namespace) as reader:
+        assert reader.content_index().find(PROMPT) == disk.find(PROMPT)
+        assert reader.content_index().find(f"  {TEXTS[4]}\n") == disk.find(f"  {TEXTS[4]}\n") != []
+        assert [m.chunk_id for m in reader.content_index().find(PROMPT)][-1] == "a0"
+        writer_again = RedisKVStore(redis_url, namespace)
+        writer_again.content_index().remove(["a0"])
+        writer_again.close()
+        assert [m.chunk_id for m in reader.content_index().find(PROMPT)][-1] == "a1"  # NOTE: the other row kept
+
+
+def test_a_row_that_does_not_parse_makes_a_new_process_find_nothing_with_one_warning(
+        redis_url: str, namespace: str, caplog: pytest.LogCaptureFixture) -> None:
+    with RedisKVStore(redis_url, namespace) as writer:
+        writer.content_index().add([("c0", TEXTS[0])])
+        redis.Redis.from_url(redis_url).hset(f"{namespace}:content:rows", "cbad", "12 7 not-a-number 3 0")
+    with RedisKVStore(redis_url, namespace) as reader, caplog.at_level(logging.WARNING, logger=rci.__name__):
+        assert reader.content_index().find(PROMPT) == [] and reader.content_index().find(PROMPT) == []
+        assert "cannot be used (ValueError" in (reader.content_index().problem or "")
+        assert sum("cannot be used" in r.getMessage() for r in caplog.records) == 1
+        assert "do not parse (e.g. chunk cbad)" in (reader.content_index().check() or "")
+        reader.content_index().rebuild([("c0", TEXTS[0])])  # NOTE: what `verify` does
+        assert [m.chunk_id for m in reader.content_index().find(PROMPT)] == ["c0"]
+
+
 # ---- a corpus in Redis, found as the same corpus on disk ------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tokenizer: PreTrainedTokenizerBase) -> FusionEngine:

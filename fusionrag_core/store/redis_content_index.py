@@ -13,7 +13,9 @@ Every process keeps a mirror of the rows in memory (a dict by anchor hash and it
 the disk index's vectorised lookup). Each use first follows the log from the last entry it applied,
 in one round trip: a process started before an ingest sees its chunks at its next lookup, without a
 restart. A process that saw a `reset`, or finds the log gone (a flushed database), reloads the rows
-whole.
+whole, as one JSON string from a read-only Lua script (`_ROWS_SCRIPT`; scripts are already required
+of the server by the ingest lock and the shared learned caches) whose numbers are parsed in one
+numpy call: one reply element instead of two per row, which the client parses one at a time.
 
 The index is derived data (the collection holds every chunk text), as the disk one is: a server
 that cannot be reached never fails a request; lookups find nothing, `problem` says why, one warning
@@ -57,6 +59,16 @@ _T = TypeVar("_T")
 _UNUSABLE = (redis.exceptions.RedisError, ValueError, TypeError, KeyError)
 
 
+_ROWS_SCRIPT = """
+local newest = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local last = newest[1] and newest[1][1] or ''
+return {last, cjson.encode(redis.call('HGETALL', KEYS[1]))}
+"""
+"""The log's last entry id (`''`: no log) and the rows hash as one JSON array `[id, row, id, row,
+...]` (an empty hash encodes as `{}`), read at one instant; the entry's changes stay on the server."""
+_ROW_FIELDS = 5  # NOTE: anchor hash, anchor offset, text length, text digest, kind
+
+
 def _encode(row: Row) -> bytes:
     h, _, offset, length, digest, kind = row
     return f"{h} {offset} {length} {digest} {kind}".encode()
@@ -72,31 +84,56 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _decode_all(pairs: Sequence[str]) -> list[Row]:
+    """Rows from a flat `[id, row, id, row, ...]` list (JSON-decoded), every number parsed in one numpy call.
+
+    Raises:
+        ValueError: a row that does not hold five integers (a damaged index: `verify` rebuilds it).
+        TypeError: an element that is not a string.
+    """
+    ids = pairs[0::2]
+    numbers = np.fromstring(" ".join(pairs[1::2]), dtype=np.int64, sep=" ")  # [N * 5]; raises at a non-number
+    if numbers.shape[0] != _ROW_FIELDS * len(ids):
+        raise ValueError(f"{len(ids)} rows hold {numbers.shape[0]} numbers, not {_ROW_FIELDS} each")
+    h, offset, length, digest, kind = (numbers[i::_ROW_FIELDS].tolist() for i in range(_ROW_FIELDS))
+    return list(zip(h, ids, offset, length, digest, kind, strict=True))
+
+
 class _Mirror:
     """This process's copy of the rows, and how far into the log it is (not thread-safe: the index's lock)."""
 
     def __init__(self) -> None:
         self.last: str | None = None  # NOTE: the last log entry applied; None: never loaded
         self.by_id: dict[str, Row] = {}
-        self.by_hash: dict[int, list[Row]] = {}
+        # NOTE: tuples, not lists: the garbage collector stops tracking a tuple of strings and ints, so
+        # a 100,000-row mirror does not make every later collection walk it (lists stay tracked).
+        self.by_hash: dict[int, tuple[Row, ...]] = {}
         self._sorted: np.ndarray | None = np.empty(0, np.int64)  # [K] sorted anchor hashes; None: stale
 
-    def load(self, rows: Iterable[Row], last: str) -> None:
-        self.by_id, self.by_hash, self._sorted, self.last = {}, {}, None, last
-        for row in rows:
-            self.put(row)
+    def load(self, rows: Sequence[Row], last: str) -> None:
+        """Replace every row by `rows` (one per chunk id, as the hash holds them)."""
+        hashes = np.fromiter((row[0] for row in rows), np.int64, len(rows))  # [N]
+        unique, counts = np.unique(hashes, return_counts=True)  # [K] sorted, [K]
+        # NOTE: built in C; the few hashes that several rows share are regrouped after.
+        self.by_hash = dict(zip(hashes.tolist(), ((row,) for row in rows), strict=True))
+        shared = set(unique[counts > 1].tolist())
+        groups: dict[int, list[Row]] = {}
+        for row in (r for r in rows if r[0] in shared) if shared else ():
+            groups.setdefault(row[0], []).append(row)
+        self.by_hash.update((h, tuple(group)) for h, group in groups.items())
+        self.by_id, self._sorted, self.last = dict(zip((row[1] for row in rows), rows, strict=True)), unique, last
 
     def put(self, row: Row) -> None:
         self.drop(row[1])
         self.by_id[row[1]] = row
-        self.by_hash.setdefault(row[0], []).append(row)
+        self.by_hash[row[0]] = (*self.by_hash.get(row[0], ()), row)
         self._sorted = None
 
     def drop(self, chunk_id: str) -> None:
         old = self.by_id.pop(chunk_id, None)
         if old is None:
             return
-        left = [r for r in self.by_hash[old[0]] if r[1] != chunk_id]
+        left = tuple(r for r in self.by_hash[old[0]] if r[1] != chunk_id)
         if left:
             self.by_hash[old[0]] = left
         else:
@@ -196,14 +233,11 @@ class RedisContentIndex:
         return True
 
     def _reload(self) -> None:
-        """The rows whole, and the log's last entry read before them (entries after it are applied again
-        at the next use: adding or removing a row twice changes nothing)."""
-        pipe = self._client.pipeline(transaction=False)
-        pipe.xrevrange(self._log_key, count=1)
-        pipe.hgetall(self._rows_key)
-        newest, rows = pipe.execute()
-        last = _text(newest[0][0]) if newest else _START
-        self._mirror.load((_decode(_text(k), v) for k, v in rows.items()), last)
+        """The rows whole, and the log's last entry read at the same instant (entries after it are
+        applied at the next use), in one reply of `_ROWS_SCRIPT`."""
+        newest, rows = self._client.eval(_ROWS_SCRIPT, 2, self._rows_key, self._log_key)
+        pairs = json.loads(rows)
+        self._mirror.load(_decode_all(pairs) if isinstance(pairs, list) else [], _text(newest) or _START)
 
     # ---- writing ---------------------------------------------------------------------------------
     def add(self, entries: Iterable[tuple[str, str]], *, strict: bool = False) -> int:
