@@ -8,13 +8,15 @@ learning off, so what is reused is what the content index found. Then:
 
 1. lookup: the time `ReuseSources.find` takes per prompt (median over the requests and `--repeats`),
    the content index's cost: the disk store's SQLite + memory-mapped array against the Redis store's
-   followed mirror (one round trip per lookup);
+   followed mirror (one round trip per lookup); and the time to read and decode the fused caches of
+   the chunks found in a prompt (median), what the store itself adds to TTFT;
 2. in-process, serial: each request answered by each store in turn (interleaved, so load changes hit
-   all stores alike), `--repeats` times: the share of prompt tokens read from caches on the first
-   ask, TTFT p50/p95, and each store's TTFT over the disk store's on the same request (median ratio);
+   all stores alike; each request starts with the next store, so none always goes first), `--repeats`
+   times: the share of prompt tokens read from caches on the first ask, TTFT p50/p95, and each
+   store's TTFT over the disk store's on the same request (median ratio);
 3. over HTTP: each store's session served under uvicorn, the requests streamed from `--clients`
    clients (`serve_load.load`): TTFT p50/p95, requests/s, cached share, and the Redis commands the
-   server sent per request (INFO commandstats, by command: a lookup's log read is 2 XRANGE in one
+   server sent per request (INFO commandstats, by command: a lookup's log read is XRANGE + EXISTS in one
    round trip, a cache load 1 GET).
 
     python benchmarks/shared_stores.py --redis-url redis://127.0.0.1:6379/0 --out benchmarks/results/shared-stores
@@ -87,20 +89,39 @@ def lookup_cost(sessions: dict[str, ReuseSession], requests: Sequence[LoadReques
     return {name: round(1e6 * statistics.median(t), 1) for name, t in times.items()}
 
 
+def read_cost(sessions: dict[str, ReuseSession], requests: Sequence[LoadRequest], repeats: int) -> dict[str, float]:
+    """Median milliseconds to read and decode the fused caches of the chunks found in one prompt, per
+    store (interleaved): what a store adds to TTFT, apart from the model's own work."""
+    times: dict[str, list[float]] = {name: [] for name in sessions}
+    for _ in range(repeats):
+        for request in requests:
+            for name, session in sessions.items():
+                engine = session.engine
+                found = ReuseSources(session.store, None, learning=False).find(prompt_text(session, request))
+                start = time.perf_counter()
+                for match in found:
+                    session.store.get(match.chunk_id, "fused", fingerprint=engine.fingerprint,
+                                      device=engine.device, dtype=engine.decoder.dtype)
+                times[name].append(time.perf_counter() - start)
+    return {name: round(1e3 * statistics.median(t), 2) for name, t in times.items()}
+
+
 def serial(sessions: dict[str, ReuseSession], requests: Sequence[LoadRequest], repeats: int,
            config: ServerConfig) -> dict[str, Any]:
     """Every request answered by every store in turn, `repeats` times: TTFT, cached share, ratios to disk."""
     outcomes: dict[str, list[Any]] = {name: [] for name in sessions}
     for session in sessions.values():
         answer_in_process(session, requests[0], config)  # NOTE: untimed warm-up
-    for _ in range(repeats):
-        for request in requests:
-            for name, session in sessions.items():
-                outcomes[name].append(answer_in_process(session, request, config))
+    names = list(sessions)
+    for turn, request in enumerate(request for _ in range(repeats) for request in requests):
+        # NOTE: each request starts with the next store in turn, so no store always runs first or last
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            outcomes[name].append(answer_in_process(sessions[name], request, config))
     out: dict[str, Any] = {}
     for name, done in outcomes.items():
         ratios = [o.ttft_s / d.ttft_s for o, d in zip(done, outcomes["disk"], strict=True)]
         out[name] = {"ttft_s": percentiles([o.ttft_s for o in done]),
+                     "ttft_s_each": [round(o.ttft_s, 4) for o in done],
                      "cached_share": round(sum(o.cached_tokens for o in done) / sum(o.prompt_tokens for o in done), 4),
                      "ttft_over_disk_median": round(statistics.median(ratios), 3),
                      "answers_equal_disk": sum(o.answer == d.answer for o, d in zip(done, outcomes["disk"],
@@ -171,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         for name, store in stores.items()}
             doc: dict[str, Any] = {"settings": settings,
                                    "lookup_us_per_prompt": lookup_cost(sessions, requests, args.repeats),
+                                   "cache_read_ms_per_prompt": read_cost(sessions, requests, args.repeats),
                                    "serial": serial(sessions, requests, args.repeats, config),
                                    "http": {name: over_http(name, s, requests, args.clients, raw)
                                             for name, s in sessions.items()}}
@@ -179,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 index.close()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps({k: doc[k] for k in ("lookup_us_per_prompt", "serial")}, indent=2))
+    print(json.dumps({k: doc[k] for k in ("lookup_us_per_prompt", "cache_read_ms_per_prompt", "serial")}, indent=2))
     print(json.dumps({n: {k: v for k, v in r.items() if k in ("ttft_s", "requests_per_s", "cached_share",
                                                                 "redis_commands_per_request")}
                       for n, r in doc["http"].items()}, indent=2))
