@@ -44,6 +44,8 @@ from fusionrag_integrations.openai_server import ServerConfig
 from fusionrag_integrations.openai_server.ray_serve import RayServeOptions, ReplicaSpec, deploy
 from tests.servers import free_port, running_chroma_server, running_redis_server
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
 
 @contextlib.contextmanager
 def shared_servers(chroma_url: str | None, redis_url: str | None) -> Iterator[tuple[str, str]]:
@@ -79,7 +81,10 @@ def one_count(spec: ReplicaSpec, replicas: int, requests: Sequence[LoadRequest],
               raw: redis.Redis) -> dict[str, Any]:
     """`requests` against `replicas` replicas of `spec`: the load's summary and Redis commands per request."""
     started = time.perf_counter()
-    with deploy(spec, RayServeOptions(address="local", replicas=replicas, object_store_mb=100)) as app:
+    # NOTE: the replicas import this checkout's package, as the driver does (not one the venv installed)
+    runtime_env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT)}}
+    options = RayServeOptions(address="local", replicas=replicas, object_store_mb=100, runtime_env=runtime_env)
+    with deploy(spec, options) as app:
         deploy_s = time.perf_counter() - started
         # NOTE: one untimed request per replica, side by side, so each pays its one-time costs first
         asyncio.run(load(app.url, requests[:replicas], replicas, time.monotonic() + 600))
