@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import math
@@ -45,6 +44,7 @@ from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.tools import InvalidToolCall, ToolCall, asplit_calls
 from fusionrag_core.query.unicode import not_unicode_at
 from fusionrag_core.reuse.sources import ReuseSources
+from fusionrag_core.scope import Scope as CacheScope
 from fusionrag_integrations.fields import bound_tools
 from fusionrag_integrations.openai_server.config import ServerConfig
 from fusionrag_integrations.openai_server.metrics import Metrics
@@ -58,6 +58,7 @@ from fusionrag_integrations.openai_server.protocol import (
     tool_call_dict,
     usage,
 )
+from fusionrag_integrations.openai_server.tenants import TenantKeys
 from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.session import ReuseSession
 
@@ -111,6 +112,7 @@ class _Server:
         self.config = config
         self.name = session.engine.name
         self.metrics_ = Metrics(session.engine.stats)
+        self.keys = TenantKeys(config.api_key, config.api_key_file)
 
     # ---- small routes --------------------------------------------------------------------------------
     async def health(self) -> dict[str, str]:
@@ -126,15 +128,19 @@ class _Server:
         return {"object": "list", "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "fusionrag"}]}
 
     async def authorize(self, request: Request) -> None:
-        """Require `Authorization: Bearer <api_key>` when a key is set (compared in constant time)."""
-        if self.config.api_key is None:
+        """Require `Authorization: Bearer <key>` when keys are set (compared in constant time); the
+        key's tenant (`tenants.TenantKeys`) is the request's (`request.state.tenant`)."""
+        request.state.tenant = ""
+        if not self.keys.required:
             return
         scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
         if scheme.lower() != "bearer":
             given = ""  # NOTE: the key alone, or under another scheme, is no bearer credential
-        if not hmac.compare_digest(given.strip().encode(), self.config.api_key.encode()):
+        tenant = await anyio.to_thread.run_sync(self.keys.tenant_of, given.strip())  # NOTE: may read the key file
+        if tenant is None:
             raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error",
                             "invalid_api_key")
+        request.state.tenant = tenant
 
     # ---- generation routes ----------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -148,7 +154,7 @@ class _Server:
         def prompt(sources: ReuseSources) -> FusionPrompt:
             return self.session.prompt(messages, sources, (), tools)
         stream = _Stream(self, "chat", Envelope("chatcmpl", self.name), body.stream_options is not None
-                         and body.stream_options.include_usage)
+                         and body.stream_options.include_usage, _scope(request, body))
         return await stream.respond(request, options, prompt, body.stream)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
@@ -159,7 +165,7 @@ class _Server:
         def prompt(sources: ReuseSources) -> FusionPrompt:
             return self.session.prompt_from_text(text, sources)
         stream = _Stream(self, "completion", Envelope("cmpl", self.name), body.stream_options is not None
-                         and body.stream_options.include_usage)
+                         and body.stream_options.include_usage, _scope(request, body))
         return await stream.respond(request, options, prompt, body.stream)
 
     def _values(self, body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
@@ -188,8 +194,10 @@ class _Stream:
     (the request's slot and generation, released once).
     """
 
-    def __init__(self, server: _Server, endpoint: str, envelope: Envelope, include_usage: bool) -> None:
+    def __init__(self, server: _Server, endpoint: str, envelope: Envelope, include_usage: bool,
+                 scope: CacheScope) -> None:
         self.server, self.endpoint, self.envelope, self.include_usage = server, endpoint, envelope, include_usage
+        self.scope = scope
         self.exits = AsyncExitStack()
         self.calls: list[ToolCall] = []
         self.invalid: list[InvalidToolCall] = []
@@ -211,7 +219,7 @@ class _Stream:
     def _prompt(self, options: RequestOptions,
                 prompt: Callable[[ReuseSources], FusionPrompt]) -> tuple[FusionPrompt, ReuseSources]:
         """The request's prompt and sources (tokenizing, finding chunks by content: a worker thread's job)."""
-        sources = self.server.session.sources(options)
+        sources = self.server.session.sources(options, self.scope)
         request_prompt = prompt(sources)
         self.server.check_length(request_prompt)
         return request_prompt, sources
@@ -334,6 +342,11 @@ class _Stream:
         logger.info("%s %s: %d prompt tokens (%d reused), %d generated, ttft %.3f s", self.endpoint,
                     self.envelope.id, generation.prompt_tokens, generation.reused_tokens, len(generation.token_ids),
                     generation.ttft_s)
+
+
+def _scope(request: Request, body: ChatCompletionRequest | CompletionRequest) -> CacheScope:
+    """The request's cache scope: its key's tenant and the `cache_salt` it sent (`tenants`)."""
+    return CacheScope(request.state.tenant, body.cache_salt or "")
 
 
 async def _disconnected(request: Request) -> None:

@@ -52,6 +52,8 @@ class _Request(BaseModel):
     logprobs: bool | int | None = None
     user: str | None = None
     """Accepted as OpenAI does: an end-user id for the caller's own records; it changes no answer."""
+    cache_salt: str | None = None
+    """vLLM's field: requests share caches only with requests of the same tenant and salt."""
 
     @field_validator(*_RANGES)
     @classmethod
