@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -71,3 +72,30 @@ def test_a_request_that_reuses_nothing_equals_a_plain_prefill_with_learning_on_o
             assert served.prompt_tokens == plain.prompt_tokens, f"learn={learn}: the prompt was tokenized differently"
             torch.testing.assert_close(served.first_token_logits, plain.first_token_logits, rtol=1e-4, atol=1e-4)
             assert served.token_ids == plain.token_ids
+
+
+def test_the_server_and_both_integrations_answer_a_first_time_request_as_a_plain_prefill(
+        engine: FusionEngine, tmp_path: Path) -> None:
+    """The same through the OpenAI server, ChatFusionRAG and the LlamaIndex LLM (greedy text: 4 tokens)."""
+    from llama_index.core.base.llms.types import ChatMessage
+
+    from fusionrag_integrations.langchain import ChatFusionRAG
+    from fusionrag_integrations.llama_index import FusionRAGLLM
+    from fusionrag_integrations.openai_server import ServerConfig, create_app
+    from tests.http_server import running_app
+
+    prompts = PROMPTS[:3]
+    expected = [engine.tokenizer.decode(plain_prefill(engine, m).token_ids) for m in prompts]
+    session = ReuseSession(engine, None, ReuseConfig(learned_dir=tmp_path / "server"))
+    with running_app(create_app(session, ServerConfig())) as url:
+        for messages, text in zip(prompts, expected, strict=True):
+            body = httpx.post(f"{url}/v1/chat/completions", timeout=120,
+                              json={"messages": messages, "max_tokens": 4, "temperature": 0}).json()
+            assert body["choices"][0]["message"]["content"] == text
+            assert body["fusionrag"]["reused_tokens"] == 0
+    chat = ChatFusionRAG(engine=engine, max_tokens=4, learned_dir=str(tmp_path / "langchain"))
+    llm = FusionRAGLLM(engine=engine, max_new_tokens=4, learned_dir=str(tmp_path / "llama_index"))
+    for messages, text in zip(prompts, expected, strict=True):
+        assert chat.invoke([(m["role"], m["content"]) for m in messages]).content == text
+        answer = llm.chat([ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+        assert answer.message.content == text
