@@ -189,6 +189,7 @@ class ReuseSession:
         generation = stream.result
         assert generation is not None  # NOTE: set by GenerationStream once exhausted
         self._learn(sources)
+        _report_pending(generation, sources)
         if not options.full_attention:
             self.monitor.check(self.engine, prompt, generation, sources)
         yield generation
@@ -206,6 +207,7 @@ class ReuseSession:
         generation = stream.result
         assert generation is not None  # NOTE: set by AsyncGenerationStream once exhausted
         await asyncio.to_thread(self._learn, sources)
+        _report_pending(generation, sources)
         if not options.full_attention:
             await asyncio.to_thread(self.monitor.check, self.engine, prompt, generation, sources)
         yield generation
@@ -220,4 +222,14 @@ class ReuseSession:
             learn_pieces(self.engine, learned, sources.pending)
 
 
-__all__ = ["ReuseConfig", "ReuseSession"]
+PENDING_REASON = "no cache yet: prefilled as plain text, then learned once this answer streamed"
+
+
+def _report_pending(generation: Generation, sources: ReuseSources) -> None:
+    """List the pieces this request learned (`ReuseSources.pending`) among its cache misses: found
+    in its prompt without a cache, as a chunk without one is (nothing lost without a trace)."""
+    for chunk_id, _ in sources.pending if sources.learning else ():
+        generation.cache_misses.setdefault(chunk_id, PENDING_REASON)
+
+
+__all__ = ["PENDING_REASON", "ReuseConfig", "ReuseSession"]

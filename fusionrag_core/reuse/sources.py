@@ -93,15 +93,27 @@ class ReuseSources(KVStore):
         `PromptLayout.from_messages`). `tools` are rendered with the messages (the tool list is
         template text: never cut into spans)."""
         require_unicode(list(messages), "messages")  # NOTE: before the spans are hashed, not only at the layout
-        docs, cut = self._learnable(engine, [str(m.get("content") or "") for m in messages], documents)
-        return engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_cache,
-                                           spans=cut, tools=tools)
+        contents = [str(m.get("content") or "") for m in messages]
+        docs, cut = self._learnable(engine, contents, documents)
+        prompt = engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_cache,
+                                             spans=cut, tools=tools)
+        self._keep_uncovered(prompt, contents)
+        return prompt
 
     def prompt_from_text(self, engine: FusionEngine, text: str, documents: Sequence[str] = ()) -> FusionPrompt:
         """A raw text prompt (a completion) as a FusionPrompt, chunks found and learned as in `prompt`."""
         require_unicode(text, "prompt")
         docs, cut = self._learnable(engine, [text], documents)
-        return engine.prompt_from_text(text, find=self.find, documents=docs, has_cache=self.has_cache, spans=cut)
+        prompt = engine.prompt_from_text(text, find=self.find, documents=docs, has_cache=self.has_cache, spans=cut)
+        self._keep_uncovered(prompt, [text])
+        return prompt
+
+    def _keep_uncovered(self, prompt: FusionPrompt, contents: Sequence[str]) -> None:
+        """`pending` less the pieces the prompt does not hold as written, or whose text a chunk found
+        in it covers (a stored chunk is reused there, so nothing is learned for it)."""
+        found = [seg.text for seg in prompt.segments if seg.text]
+        self.pending = [(cid, text) for cid, text in self.pending
+                        if any(text in c for c in contents) and not any(text in f or f in text for f in found)]
 
     def _learnable(self, engine: FusionEngine, contents: Sequence[str],
                    documents: Sequence[str]) -> tuple[dict[str, str], dict[str, str]]:
