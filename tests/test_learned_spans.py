@@ -216,17 +216,18 @@ def test_retrieved_documents_keep_their_own_boundaries(engine: FusionEngine, vec
     session = llm.reuse_session()
     sources = session.sources(llm.request_options({}))
     messages = _notes(LONG_QUESTION, [two, TEXTS[2]])
-    found = {s.chunk_id: s.found_by for s in session.prompt(messages, sources, retrieved=[two]).segments if s.chunk_id}
-    assert found == {content_id(two, engine.fingerprint): "document"}
-    found = {s.chunk_id: s.found_by for s in session.prompt(messages, sources).segments if s.chunk_id}
-    assert found == {content_id(t, engine.fingerprint): "span" for t in TEXTS[:3]}
+    # NOTE: a piece seen for the first time stays text in the prompt and waits to be learned (`pending`)
+    session.prompt(messages, sources, retrieved=[two])
+    assert [cid for cid, _ in sources.pending] == [content_id(two, engine.fingerprint)]
+    session.prompt(messages, sources)
+    assert [cid for cid, _ in sources.pending] == [content_id(t, engine.fingerprint) for t in TEXTS[:3]]
 
 
 # ---- item 6: bounds and bad input -----------------------------------------------------------------
 
 def test_a_stream_of_never_repeating_prompts_stays_within_the_learned_byte_bound(
         engine: FusionEngine, tmp_path: Path) -> None:
-    bound = 20_000  # NOTE: a few spans of this tiny model (~256 bytes per token in float16)
+    bound = 40_000  # NOTE: a few spans of this tiny model (~256 bytes per token in float16, two variants each)
     llm = _llm(engine, tmp_path, learned_max_bytes=bound)
     blobs = tmp_path / "learned" / "kv"
     for i in range(12):
@@ -235,8 +236,8 @@ def test_a_stream_of_never_repeating_prompts_stays_within_the_learned_byte_bound
         learned = _learned(llm)
         assert 0 < learned.nbytes <= bound
         # what a lookup reads stays bounded too: evicted spans leave the content index and the disk
-        assert len(learned.index) == len(learned) == len([f for f in blobs.rglob("*") if f.is_file()
-                                                          and not f.name.startswith(".")])
+        assert len(learned.index) == len(learned) == len({f.name.split(".")[0] for f in blobs.rglob("*")
+                                                          if f.is_file() and not f.name.startswith(".")})
     assert len(learned) < 12 * 3  # spans were evicted: the stream learned 36
     last = _ask(llm, _notes(FOLLOW_UP, texts))
     assert last["reused_tokens"] > 0  # the newest spans are the ones kept

@@ -131,7 +131,7 @@ def test_a_session_over_a_redis_store_shares_its_learned_caches(engine: FusionEn
     session = ReuseSession(engine, tiered, ReuseConfig(data_dir=tmp_path))
     learned = session.learned()
     assert isinstance(learned, SharedLearnedCaches) and learned is session.learned(create=True)
-    local = ReuseSession(engine, corpus, ReuseConfig(data_dir=tmp_path, share_learned=False)).learned(create=True)
+    local = ReuseSession(engine, corpus, ReuseConfig(data_dir=tmp_path, learned_in_redis=False)).learned(create=True)
     assert local is not None and not isinstance(local, SharedLearnedCaches)
     assert (tmp_path / "learned").is_dir()
     learned.close()

@@ -39,6 +39,7 @@ from fusionrag_core.query.sampling import Sampler, TextAssembler
 from fusionrag_core.query.select import probe_for
 from fusionrag_core.query.stitch import CacheLookup, Stitched, prefetch, stitch
 from fusionrag_core.runtime.decoder import Decoder
+from fusionrag_core.scope import OPERATOR
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def stitch_request(request: Request, shared: Shared) -> None:
     # K/V: a kept turn's question and answer attended to the approximate chunk K/V of its time
     kept, n, repeat = continued_head(shared.prefix_cache, request.prompt, lookup,
                                      exact_only=plain or selection.recomputes_everything,
-                                     selection=(selection.name, selection.ratio))
+                                     selection=(selection.name, selection.ratio), scope=request.scope)
     if kept is not None:
         st, budget_base = _stitch_continued(request, shared, lookup, kept, n)
         request.continued = kept if n == kept.num_tokens else None
@@ -120,13 +121,16 @@ def _stitch_continued(request: Request, shared: Shared, lookup: CacheLookup, kep
 def _stitch_fresh(request: Request, shared: Shared, lookup: CacheLookup) -> tuple[Stitched, int]:
     """Stitch after the system prefix (memoised, or computed now)."""
     prompt = request.stitched_prompt = request.prompt
-    prefix, memoised = shared.system_prefixes.get(prompt.prefix)
+    canonical = torch.equal(prompt.prefix.cpu(), shared.canonical_prefix)
+    # NOTE: the prefix chunk caches are computed after is the operator's, shared by every scope; any
+    # other one a request brought is memoised for its own scope only
+    prefix, memoised = shared.system_prefixes.get(prompt.prefix, OPERATOR if canonical else request.scope)
     P = int(prompt.prefix.shape[0])
     # NOTE: the prefix is either served from memory or computed now: in one count, never both
     request.account.system_prefix = P if memoised else 0
     request.account.prefilled = int(prompt.question.shape[0]) + P - request.account.system_prefix
     st = stitch(shared.decoder, prompt, prefix, lookup, extra_capacity=request.sampling.max_new_tokens,
-                exact_prefix=torch.equal(prompt.prefix.cpu(), shared.canonical_prefix))
+                exact_prefix=canonical)
     request.exact_base = P
     if st.exact_slots.numel() and int(st.exact_slots[0]) == request.exact_base:
         request.exact_base += int(st.exact_slots.shape[0])
@@ -250,7 +254,7 @@ def keep(request: Request, shared: Shared) -> None:
     if shared.prefix_cache is not None:
         kept = kept_from(st, request.selected, decoding.ids, shared.fingerprint, request.continued_runs,
                          request.exact_base, (request.selection.name, request.selection.ratio),
-                         request.healed_head)
+                         request.healed_head, request.scope)
         shared.prefix_cache.keep(kept, replaces=request.continued)
         request.enter(Phase.KEPT)
 

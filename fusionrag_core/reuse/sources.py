@@ -29,6 +29,7 @@ from fusionrag_core.reuse.learned import LearnedCaches, content_id
 from fusionrag_core.reuse.spans import PARAGRAPH_BREAK, conversation_spans
 from fusionrag_core.runtime.compat import tokenize_plain
 from fusionrag_core.runtime.kv import ChunkKV, Variant
+from fusionrag_core.scope import OPERATOR, Scope
 from fusionrag_core.store.base import CacheSource, KVStore
 from fusionrag_core.store.corpus_index import CorpusIndex
 
@@ -51,22 +52,27 @@ class ReuseSources(KVStore):
     """What one request reads caches from: an index's store (ingested) first, then learned caches.
 
     A read view (`put` goes to the primary store) that also finds chunks by content in both
-    content indexes. Either part may be None.
+    content indexes. Either part may be None. One per request: it records what the request's prompt
+    may learn (`pending`).
 
     Args:
-        primary: the KV store ingest wrote (None: none attached).
-        learned: caches learned so far (None: learning off, or nothing learned yet).
+        primary: the KV store ingest wrote (None: none attached), shared by every scope.
+        learned: caches learned so far by requests of `scope` (None: learning off, or nothing
+            learned yet).
         learning: whether retrieved documents are made learnable (default: `learned` is given).
+        scope: whose request reads these sources (`fusionrag_core.scope`).
     """
 
     def __init__(self, primary: KVStore | None, learned: LearnedCaches | None, *,
-                 learning: bool | None = None) -> None:
+                 learning: bool | None = None, scope: Scope = OPERATOR) -> None:
         super().__init__(primary.storage_dtype if primary is not None else "float16")
         self.primary = primary
         self.learned = learned
         self.learning = learned is not None if learning is None else learning
         self.primary_index = primary.content_index() if primary is not None else None
+        self.scope = scope
         self.retrieved = 0  # NOTE: how many retrieved documents `prompt` was given (read by `diagnose`)
+        self.pending: list[tuple[str, str]] = []  # NOTE: (content id, text) to learn once answered, in order
 
     def find(self, text: str) -> list[Match]:
         """Stored chunks found by content in `text`: the index's first, learned ones in the gaps."""
@@ -80,25 +86,43 @@ class ReuseSources(KVStore):
     def prompt(self, engine: FusionEngine, messages: Sequence[Mapping[str, Any]],
                documents: Sequence[str] = (), tools: ToolRequest | None = None) -> FusionPrompt:
         """`messages` as a FusionPrompt: chunks found by mark or content; if learning is on, the
-        context around them becomes learnable chunks where it occurs: `documents` (texts retrieved
-        for this request), or, when none were retrieved, content-defined spans of the messages
-        (`spans.conversation_spans`). A mark whose id has no cache here is found by its text (see
+        context around them is learnable where it occurs: `documents` (texts retrieved for this
+        request), or, when none were retrieved, content-defined spans of the messages
+        (`spans.conversation_spans`). Those with a cache become chunks; the others stay plain text
+        (the prompt a plain prefill reads) and are recorded in `pending`, to be learned once the
+        request has answered (`reuse.learning`). A mark whose id has no cache here is found by its text (see
         `PromptLayout.from_messages`). `tools` are rendered with the messages (the tool list is
         template text: never cut into spans)."""
         require_unicode(list(messages), "messages")  # NOTE: before the spans are hashed, not only at the layout
-        docs, cut = self._learnable(engine, [str(m.get("content") or "") for m in messages], documents)
-        return engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_cache,
-                                           spans=cut, tools=tools)
+        contents = [str(m.get("content") or "") for m in messages]
+        docs, cut = self._learnable(engine, contents, documents)
+        prompt = engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_cache,
+                                             spans=cut, tools=tools)
+        self._keep_uncovered(prompt, contents)
+        return prompt
 
     def prompt_from_text(self, engine: FusionEngine, text: str, documents: Sequence[str] = ()) -> FusionPrompt:
         """A raw text prompt (a completion) as a FusionPrompt, chunks found and learned as in `prompt`."""
         require_unicode(text, "prompt")
         docs, cut = self._learnable(engine, [text], documents)
-        return engine.prompt_from_text(text, find=self.find, documents=docs, has_cache=self.has_cache, spans=cut)
+        prompt = engine.prompt_from_text(text, find=self.find, documents=docs, has_cache=self.has_cache, spans=cut)
+        self._keep_uncovered(prompt, [text])
+        return prompt
+
+    def _keep_uncovered(self, prompt: FusionPrompt, contents: Sequence[str]) -> None:
+        """`pending` less the pieces the prompt does not hold as written, or whose text a chunk found
+        in it covers (a stored chunk is reused there, so nothing is learned for it)."""
+        found = [seg.text for seg in prompt.segments if seg.text]
+        self.pending = [(cid, text) for cid, text in self.pending
+                        if any(text in c for c in contents) and not any(text in f or f in text for f in found)]
 
     def _learnable(self, engine: FusionEngine, contents: Sequence[str],
                    documents: Sequence[str]) -> tuple[dict[str, str], dict[str, str]]:
-        """(documents, spans) by content id: what the prompt may learn (nothing, if learning is off)."""
+        """(documents, spans) by content id that have a cache here, for the layout to place; the
+        learnable ones without a cache go to `pending` (nothing, if learning is off).
+
+        NOTE: a piece without a cache is never cut out of its text: tokenized on its own, it would
+        make a request that reuses nothing read other tokens than a plain prefill of its prompt."""
         docs: dict[str, str] = {}
         cut: dict[str, str] = {}
         self.retrieved = sum(1 for text in documents if text.strip())
@@ -111,7 +135,10 @@ class ReuseSources(KVStore):
             # does the text alone say it.
             for span in () if docs else conversation_spans(contents):
                 cut.setdefault(content_id(span, engine.fingerprint), span)
-        return docs, cut
+        self.pending = [(cid, text) for cid, text in {**docs, **cut}.items() if not self.has_cache(cid)]
+        missing = {cid for cid, _ in self.pending}
+        return ({cid: t for cid, t in docs.items() if cid not in missing},
+                {cid: t for cid, t in cut.items() if cid not in missing})
 
     def has_cache(self, chunk_id: str) -> bool:
         """Whether any cache variant of `chunk_id` is stored here (ingested or learned)."""
@@ -195,10 +222,10 @@ def check_store_model(engine: FusionEngine, store: KVStore) -> None:
 
 
 def learned_ids(prompt: FusionPrompt, generation: Generation, sources: ReuseSources) -> list[str]:
-    """Chunks of `prompt` whose K/V this request kept as their learned cache."""
+    """Content ids this request learns (or learned) caches for: its learnable pieces that had none."""
     if not sources.learning:
         return []
-    return [s.chunk_id for s in prompt.segments if s.learn and s.chunk_id and s.chunk_id in generation.cache_misses]
+    return [cid for cid, _ in sources.pending]
 
 
 class ReuseMonitor:
