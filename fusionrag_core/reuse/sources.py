@@ -79,8 +79,11 @@ class ReuseSources(KVStore):
         found = self.primary_index.find(text) if self.primary_index is not None else []
         if self.learned is None:
             return found
-        extra = [m for m in self.learned.index.find(text)
-                 if all(m.end <= f.start or m.start >= f.end for f in found)]
+        # NOTE: a learned row whose blobs are gone (set aside as corrupt, or evicted by another process)
+        # is no chunk: its text stays learnable, and is learned again.
+        learned = self.learned
+        extra = [m for m in learned.index.find(text) if all(m.end <= f.start or m.start >= f.end for f in found)
+                 and (learned.store.has(m.chunk_id, "fused") or learned.store.has(m.chunk_id, "independent"))]
         return sorted(found + extra, key=lambda m: m.start)
 
     def prompt(self, engine: FusionEngine, messages: Sequence[Mapping[str, Any]],
