@@ -139,7 +139,7 @@ def answer_in_process(session: ReuseSession, request: LoadRequest, config: Serve
             ttft = time.perf_counter() - start
         text.append(piece)
     assert generation is not None  # NOTE: `ReuseSession.answer` ends with the Generation
-    counts = usage(generation)
+    counts = usage([generation])
     return Outcome("200", "".join(text), ttft, time.perf_counter() - start, counts["prompt_tokens"],
                    counts["prompt_tokens_details"]["cached_tokens"], counts["completion_tokens"], generation.ttft_s,
                    time.perf_counter())
