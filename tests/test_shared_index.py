@@ -68,6 +68,18 @@ def test_another_process_sees_adds_removes_and_rebuilds_at_its_next_lookup(redis
         assert follower.chunk_ids() == {"c1"} and len(follower) == 1 and follower.check() is None
 
 
+def test_a_rebuild_reaches_a_mirror_that_applied_an_entry_as_new_as_the_reset(redis_url: str, namespace: str) -> None:
+    with RedisKVStore(redis_url, namespace) as writer, RedisKVStore(redis_url, namespace) as reader:
+        writer.content_index().add([("c0", TEXTS[0])])
+        # NOTE: an entry stamped far ahead of the clock stands for one written in the rebuild's own
+        # millisecond: a log deleted and re-created would give the reset a lower id, unseen by the reader
+        raw = redis.Redis.from_url(redis_url)
+        raw.xadd(f"{namespace}:content:log", {"remove": '["c9"]'}, id="99999999999999-0")
+        assert [m.chunk_id for m in reader.content_index().find(PROMPT)] == ["c0"]
+        writer.content_index().rebuild([("c2", TEXTS[2])])
+        assert [m.chunk_id for m in reader.content_index().find(PROMPT)] == ["c2"]
+
+
 def test_a_process_that_finds_the_log_gone_reloads_the_rows(redis_url: str, namespace: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     with RedisKVStore(redis_url, namespace) as writer, RedisKVStore(redis_url, namespace) as reader:

@@ -89,21 +89,27 @@ class SkippedLearning:
         self._causes: set[str] = set()
         self._lock = threading.Lock()
 
+    ADVICE = "free space there, move them (learned_dir=) or turn learning off (learn=False)"
+    """How an operator ends the cause (part of the warning)."""
+
     def report(self, root: Path | str, error: Exception) -> None:
         """Log that caches under `root` were not kept (or not read) because of `error`, unless its cause was logged."""
-        if isinstance(error, OSError) and error.errno is not None:
-            cause = errno.errorcode.get(error.errno, str(error.errno))
-        else:
-            cause = str(getattr(error, "sqlite_errorname", "") or error)
+        cause = self.cause(error)
         with self._lock:
             if cause in self._causes:
                 return
             self._causes.add(cause)
         logger.warning(
             "FusionRAG could not keep learned caches in %s (%s: %s); answers are unaffected, but no cache is "
-            "learned (nor read, where the caches could not be opened) while this lasts: free space there, move "
-            "them (learned_dir=) or turn learning off (learn=False) (this warning is shown once per cause)",
-            root, cause, error)
+            "learned (nor read, where the caches could not be opened) while this lasts: %s (this warning is "
+            "shown once per cause)", root, cause, error, self.ADVICE)
+
+    @staticmethod
+    def cause(error: Exception) -> str:
+        """What one warning stands for: an errno's name, or a SQLite error's."""
+        if isinstance(error, OSError) and error.errno is not None:
+            return errno.errorcode.get(error.errno, str(error.errno))
+        return str(getattr(error, "sqlite_errorname", "") or error)
 
 
 class LearnedCaches:

@@ -28,7 +28,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusionrag_core.errors import CacheMismatchError, FusionRAGError, InvalidRequestError
@@ -86,23 +85,12 @@ class SkippedSharedLearning(SkippedLearning):
     """Warns once per cause (the Redis error's kind: out of memory, unreachable) that learned caches
     could not be kept in, or read from, Redis."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._seen: set[str] = set()
-        self._seen_lock = threading.Lock()
+    ADVICE = ("check the server, give it memory (maxmemory), or keep learned caches on each node "
+              "(learned_in_redis=False) or turn learning off (learn=False)")
 
-    def report(self, root: Path | str, error: Exception) -> None:
-        """Log that caches in `root` were not kept (or not read) because of `error`, unless its kind was logged."""
-        cause = type(error.__cause__ or error).__name__  # NOTE: the Redis error a FusionRAGError wraps
-        with self._seen_lock:
-            if cause in self._seen:
-                return
-            self._seen.add(cause)
-        logger.warning(
-            "FusionRAG could not keep learned caches in %s (%s: %s); answers are unaffected, but no cache is "
-            "learned (nor read, where the caches could not be opened) while this lasts: check the server, give "
-            "it memory (maxmemory), or keep learned caches on each node (learned_in_redis=False) or turn learning "
-            "off (learn=False) (this warning is shown once per cause)", root, cause, error)
+    @staticmethod
+    def cause(error: Exception) -> str:
+        return type(error.__cause__ or error).__name__  # NOTE: the Redis error a FusionRAGError wraps
 
 
 def shared_namespace(corpus_namespace: str, fingerprint: str, scope: Scope = OPERATOR) -> str:

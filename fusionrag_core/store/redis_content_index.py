@@ -257,7 +257,11 @@ class RedisContentIndex:
             pipe.delete(self._rows_key)
             if encoded:
                 pipe.hset(self._rows_key, mapping=encoded)  # type: ignore[arg-type]
-            pipe.delete(self._log_key)  # NOTE: compacted: the reset sends every mirror to the rows
+            # NOTE: compacted by trimming, not deleting: a trimmed stream keeps its last id, so the
+            # `reset` gets an id above every earlier entry's and every mirror reads it. A deleted and
+            # re-created log may hand it an id no later than one a mirror already applied (the same
+            # millisecond), and that mirror would never reload.
+            pipe.xtrim(self._log_key, maxlen=0, approximate=False)
             pipe.xadd(self._log_key, {"reset": "1"})
             pipe.execute()
 
