@@ -273,14 +273,16 @@ class ReuseSession:
             learn_pieces(self.engine, learned, sources.pending)
 
 
-PENDING_REASON = "no cache yet: prefilled as plain text, then learned once this answer streamed"
+PENDING_REASON = "no cache yet: prefilled with the prompt, then learned once this answer streamed"
 
 
 def _report_pending(generation: Generation, sources: ReuseSources) -> None:
     """List the pieces this request learned (`ReuseSources.pending`) among its cache misses: found
-    in its prompt without a cache, as a chunk without one is (nothing lost without a trace)."""
+    in its prompt without a cache, as a chunk without one is (nothing lost without a trace). A piece
+    the layout placed as a chunk (a mark without a cache that fell back to a document) is already a
+    miss: its reason becomes this one, which also says what became of it."""
     for chunk_id, _ in sources.pending if sources.learning else ():
-        generation.cache_misses.setdefault(chunk_id, PENDING_REASON)
+        generation.cache_misses[chunk_id] = PENDING_REASON
 
 
 __all__ = ["PENDING_REASON", "ReuseConfig", "ReuseSession"]

@@ -37,6 +37,35 @@ def continued_head(cache: PrefixCache | None, prompt: FusionPrompt, lookup: Cach
     """
     if cache is None:
         return None, 0, False
+    kept, n, repeat = _head(cache, prompt, lookup, exact_only=exact_only, selection=selection, scope=scope)
+    cache.served(n)
+    return kept, n, repeat
+
+
+def kept_layout(cache: PrefixCache | None, prompt: FusionPrompt, lookup: CacheLookup, *, exact_only: bool,
+                selection: tuple[str, float | None], scope: Scope = OPERATOR) -> FusionPrompt:
+    """`prompt`, or its layout without learned caches (`FusionPrompt.unlearned`) where a kept entry
+    continues that one further and leaves no more to compute than `prompt`'s question.
+
+    NOTE: a learned piece is tokenized on its own, so a prompt that reads it parts at the piece from
+    the K/V kept by the request that learned it (which read the piece as plain text). The same prompt
+    asked again, or a later turn of its conversation, would otherwise continue the exact K/V kept
+    only up to the piece and read approximate ones after it. The other layout never computes more
+    tokens than `prompt`'s question, which a request continuing `prompt` computes anyway.
+    """
+    other = prompt.unlearned
+    if cache is None or other is None:
+        return prompt
+    theirs, ours = (_head(cache, p, lookup, exact_only=exact_only, selection=selection, scope=scope)[1]
+                    for p in (other, prompt))
+    if theirs > ours and other.num_tokens - theirs <= int(prompt.question.shape[0]):
+        return other
+    return prompt
+
+
+def _head(cache: PrefixCache, prompt: FusionPrompt, lookup: CacheLookup, *, exact_only: bool,
+          selection: tuple[str, float | None], scope: Scope) -> tuple[KeptPrefix | None, int, bool]:
+    """`continued_head`, counting nothing served."""
     found = cache.match(prompt.token_ids(), prompt.num_tokens - 1, scope)
     kept, n = found if found is not None else (None, 0)
     repeat = False
@@ -52,7 +81,6 @@ def continued_head(cache: PrefixCache | None, prompt: FusionPrompt, lookup: Cach
         # first chunk after it); a kept entry is continued for shared documents or earlier turns
         if n < cache.config.min_tokens or (n <= int(prompt.prefix.shape[0]) and n < kept.prompt_tokens):
             kept, n, repeat = None, 0, False
-    cache.served(n)
     return kept, n, repeat
 
 

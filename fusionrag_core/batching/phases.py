@@ -23,6 +23,7 @@ from fusionrag_core.batching.continuation import (
     continued_head,
     head_cache,
     kept_from,
+    kept_layout,
     reopen,
     rest_of,
     settle,
@@ -72,15 +73,17 @@ def stitch_request(request: Request, shared: Shared) -> None:
     """Lay the request out in its buffer: a kept prefix continued, the system prefix, the chunk caches
     re-rotated after them; set its selection budget and the probe its selector reads."""
     plain = request.full_attention
-    # NOTE: a local: `request.lookup` stays the request's own (its loads and fallbacks are read at the end)
-    lookup = request.lookup if plain else prefetch(request.prompt, request.lookup, shared.loader,
-                                                   inline=request.in_memory)
     selection = request.selection
     # NOTE: a full recompute (and full attention) must equal a plain prefill, so it continues only exact
     # K/V: a kept turn's question and answer attended to the approximate chunk K/V of its time
-    kept, n, repeat = continued_head(shared.prefix_cache, request.prompt, lookup,
-                                     exact_only=plain or selection.recomputes_everything,
-                                     selection=(selection.name, selection.ratio), scope=request.scope)
+    exact_only, chosen = plain or selection.recomputes_everything, (selection.name, selection.ratio)
+    request.relayout(kept_layout(shared.prefix_cache, request.prompt, request.lookup, exact_only=exact_only,
+                                 selection=chosen, scope=request.scope))
+    # NOTE: a local: `request.lookup` stays the request's own (its loads and fallbacks are read at the end)
+    lookup = request.lookup if plain else prefetch(request.prompt, request.lookup, shared.loader,
+                                                   inline=request.in_memory)
+    kept, n, repeat = continued_head(shared.prefix_cache, request.prompt, lookup, exact_only=exact_only,
+                                     selection=chosen, scope=request.scope)
     if kept is not None:
         st, budget_base = _stitch_continued(request, shared, lookup, kept, n)
         request.continued = kept if n == kept.num_tokens else None
@@ -196,6 +199,7 @@ def recompute(requests: Sequence[Request], decoder: Decoder) -> None:
 def fork(request: Request, parent: Request, shared: Shared) -> None:
     """Give a fork its parent's computed prompt: a copy of the buffer (each choice appends its own
     tokens), the same accounting and first logits; it then decodes with its own sampling."""
+    request.relayout(parent.prompt)  # NOTE: the layout the parent chose (`kept_layout`)
     st = parent.stitched_buffer()
     assert parent.phase is Phase.RECOMPUTED and parent.first_logits is not None, "fork before the parent's recompute"
     buf = shared.decoder.new_buffer(st.buf.capacity)

@@ -285,6 +285,16 @@ class Request:
     def __post_init__(self) -> None:
         self.account = TokenAccount(prompt=self.prompt.num_tokens)
 
+    def relayout(self, prompt: FusionPrompt) -> None:
+        """Read `prompt` instead (the same text laid out otherwise, `FusionPrompt.unlearned`), before
+        anything is stitched; its token account starts anew."""
+        if prompt is self.prompt:
+            return
+        if self.stitched is not None:
+            raise RuntimeError(f"request {self.id}: its prompt cannot change once stitched")
+        self.prompt = prompt
+        self.account = TokenAccount(prompt=prompt.num_tokens)
+
     def enter(self, phase: Phase) -> None:
         """Move to `phase`.
 

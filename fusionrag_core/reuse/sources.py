@@ -11,10 +11,11 @@ never warns.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ from fusionrag_core.runtime.kv import ChunkKV, Variant
 from fusionrag_core.scope import OPERATOR, Scope
 from fusionrag_core.store.base import CacheSource, KVStore
 from fusionrag_core.store.corpus_index import CorpusIndex
+
+_Finder = Callable[[str], Sequence[Match]]
 
 logger = logging.getLogger("fusionrag")
 
@@ -102,7 +105,8 @@ class ReuseSources(KVStore):
         prompt = engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_cache,
                                              spans=cut, tools=tools)
         self._keep_uncovered(prompt, contents)
-        return prompt
+        return self._with_unlearned(prompt, lambda find, has_cache: engine.prompt_from_messages(
+            messages, find=find, documents=docs, has_cache=has_cache, tools=tools))
 
     def prompt_from_text(self, engine: FusionEngine, text: str, documents: Sequence[str] = ()) -> FusionPrompt:
         """A raw text prompt (a completion) as a FusionPrompt, chunks found and learned as in `prompt`."""
@@ -110,12 +114,30 @@ class ReuseSources(KVStore):
         docs, cut = self._learnable(engine, [text], documents)
         prompt = engine.prompt_from_text(text, find=self.find, documents=docs, has_cache=self.has_cache, spans=cut)
         self._keep_uncovered(prompt, [text])
-        return prompt
+        return self._with_unlearned(prompt, lambda find, has_cache: engine.prompt_from_text(
+            text, find=find, documents=docs, has_cache=has_cache))
+
+    def _with_unlearned(self, prompt: FusionPrompt, lay_out: Callable[[_Finder | None, Callable[[str], bool]],
+                                                                     FusionPrompt]) -> FusionPrompt:
+        """`prompt` with its layout without learned caches (`FusionPrompt.unlearned`: the corpus's
+        chunks alone, as the request that learned them read it), when one of its segments is learned."""
+        if self.learned is None or not any(
+                seg.chunk_id and self.has_cache(seg.chunk_id) and not self._ingested(seg.chunk_id)
+                for seg in prompt.segments):
+            return prompt
+        find = self.primary_index.find if self.primary_index is not None else None
+        return dataclasses.replace(prompt, unlearned=lay_out(find, self._ingested))
+
+    def _ingested(self, chunk_id: str) -> bool:
+        """Whether the primary store holds a cache variant of `chunk_id`."""
+        return self.primary is not None and (self.primary.has(chunk_id, "fused")
+                                             or self.primary.has(chunk_id, "independent"))
 
     def _keep_uncovered(self, prompt: FusionPrompt, contents: Sequence[str]) -> None:
         """`pending` less the pieces the prompt does not hold as written, or whose text a chunk found
         in it covers (a stored chunk is reused there, so nothing is learned for it)."""
-        found = [seg.text for seg in prompt.segments if seg.text]
+        learnable = {cid for cid, _ in self.pending}
+        found = [seg.text for seg in prompt.segments if seg.text and seg.chunk_id not in learnable]
         self.pending = [(cid, text) for cid, text in self.pending
                         if any(text in c for c in contents) and not any(text in f or f in text for f in found)]
 
@@ -140,8 +162,9 @@ class ReuseSources(KVStore):
                 cut.setdefault(content_id(span, engine.fingerprint), span)
         self.pending = [(cid, text) for cid, text in {**docs, **cut}.items() if not self.has_cache(cid)]
         missing = {cid for cid, _ in self.pending}
-        return ({cid: t for cid, t in docs.items() if cid not in missing},
-                {cid: t for cid, t in cut.items() if cid not in missing})
+        # NOTE: every document goes to the layout (stored chunks are found inside its text, a mark
+        # without a cache falls back to it); one without a cache is never cut out of plain text there.
+        return docs, {cid: t for cid, t in cut.items() if cid not in missing}
 
     def has_cache(self, chunk_id: str) -> bool:
         """Whether any cache variant of `chunk_id` is stored here (ingested or learned)."""
