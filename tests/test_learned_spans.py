@@ -34,6 +34,7 @@ from fusionrag_core.reuse.learned import LearnedCaches, content_id
 from fusionrag_core.reuse.spans import MAX_SPAN_CHARS, MIN_SPAN_CHARS, conversation_spans, cut_spans
 from fusionrag_core.runtime.compat import tokenize_plain
 from fusionrag_integrations.langchain import ChatFusionRAG
+from fusionrag_integrations.session import PENDING_REASON
 from tests.ingest_worker import tiny_engine
 from tests.lighthouse import QUESTION, TEXTS
 
@@ -137,6 +138,25 @@ def test_a_hand_built_chat_message_list_reuses_its_context_from_the_second_ask(
     assert second["reused_tokens"] >= 0.7 * _tokens(engine, TEXTS), second
     assert second["cache_misses"] == 0
     assert set(second["chunk_found_by"]) == {content_id(t, engine.fingerprint) for t in TEXTS}
+
+
+def test_a_later_turn_continues_the_exact_kv_of_the_turn_that_learned_its_spans(engine: FusionEngine,
+                                                                                 tmp_path: Path) -> None:
+    """Its spans were learned after the first turn, which read them as plain text: the second turn
+    continues that turn's kept K/V whole (exact), instead of reading the learned spans (approximate)
+    that its tokens, cut at the spans, would part from the kept ones at."""
+    llm = _llm(engine, tmp_path)
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Use these notes:\n\n" + "\n\n".join(TEXTS) + f"\n\nQuestion: {QUESTION}"}]
+    reply = llm.invoke(messages)
+    first = _meta(reply)
+    assert first["reused_tokens"] == 0 and len(_learned(llm).index) > 0
+    later = [*messages, {"role": "assistant", "content": str(reply.content)}, {"role": "user", "content": FOLLOW_UP}]
+    second = _meta(llm.invoke(later))
+    assert second["kept_prefix_tokens"] >= first["prompt_tokens"], second
+    assert second["reused_tokens"] == 0 and second["exact_tokens"] == second["prompt_tokens"]
+    # NOTE: what the second turn adds that is new is learned after its answer, as any first-seen text
+    assert second["chunk_found_by"] == {} and set(second["cache_miss_reasons"].values()) <= {PENDING_REASON}
 
 
 def _ask(llm: ChatFusionRAG, messages: Sequence[Mapping[str, str]]) -> Mapping[str, Any]:
