@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from fusionrag_core.cli import main
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.reuse import learned
 from fusionrag_core.reuse.learned import content_id
 from fusionrag_core.scope import Scope
 from fusionrag_core.store import DiskKVStore
@@ -179,6 +180,27 @@ def test_a_learned_retrieved_document_is_hit_only_in_its_scope(engine: FusionEng
     for scope in (Scope("bob"), Scope("alice", "other-salt"), Scope()):
         missed = ask(scope)
         assert missed.reused_tokens == missed.prefix_cached_tokens == 0 and missed.found_by == {}, scope
+
+
+def test_a_process_keeps_a_bounded_number_of_scopes_open_and_reopens_one_that_comes_back(
+        engine: FusionEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every (tenant, salt) opens a learned-cache directory: a stream of new salts must not hold
+    each one's databases open for the life of the process."""
+    monkeypatch.setattr(learned, "OPEN_LIMIT", 2)
+    session = ReuseSession(engine, None, ReuseConfig(learned_dir=tmp_path))
+    options = RequestOptions(SamplingConfig(max_new_tokens=2))
+
+    def ask(scope: Scope) -> Generation:
+        *_, generation = session.answer(context(RECORD, "Which wrist?"), options, [RECORD], scope)
+        assert isinstance(generation, Generation)
+        return generation
+    ask(Scope("alice"))
+    for salt in ("s1", "s2", "s3"):
+        ask(Scope("bob", salt))
+    opened = [root for root in learned._open if tmp_path.resolve() in root.parents]
+    assert len(opened) == 2, opened
+    # NOTE: alice's directory was let go; its caches and their LRU rows are on disk, found again
+    assert ask(Scope("alice")).reused_tokens > 0
 
 
 # ---- operators see and control it ---------------------------------------------------------------------

@@ -24,6 +24,7 @@ import logging
 import sqlite3
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,7 +294,11 @@ def _remove_empty(dirs: Sequence[Path]) -> None:
             d.rmdir()
 
 
-_open: dict[Path, LearnedCaches] = {}
+OPEN_LIMIT = 64
+"""Learned-cache directories a process keeps open at once (one per scope: tenant and cache salt).
+Beyond it the least recently used is let go: closed once no request holds it, opened again when
+its scope comes back (its caches and their LRU order live on disk)."""
+_open: OrderedDict[Path, LearnedCaches] = OrderedDict()
 _open_lock = threading.Lock()
 
 
@@ -308,13 +313,16 @@ def open_learned(root: Path | str, fingerprint: str, config: LearnConfig | None 
         learned = _open.get(path)
         if learned is None:
             learned = _open[path] = LearnedCaches(path, fingerprint, config)
+            while len(_open) > OPEN_LIMIT:
+                _open.popitem(last=False)
         elif learned.fingerprint != fingerprint or (config is not None and learned.config != config):
             raise InvalidRequestError(
                 f"learned caches at {path} are already open for another model or with other settings; "
                 "give each model its own directory (paths.learned_dir does)"
             )
+        _open.move_to_end(path)
         return learned
 
 
-__all__ = ["DEFAULT_MAX_BYTES", "STORAGE_ERRORS", "LearnConfig", "LearnedCaches", "SkippedLearning", "content_id",
+__all__ = ["DEFAULT_MAX_BYTES", "OPEN_LIMIT", "STORAGE_ERRORS", "LearnConfig", "LearnedCaches", "SkippedLearning", "content_id",
            "open_learned"]

@@ -27,11 +27,12 @@ import logging
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from fusionrag_core.errors import CacheMismatchError, FusionRAGError, InvalidRequestError
-from fusionrag_core.reuse.learned import STORAGE_ERRORS, LearnConfig, LearnedCaches, SkippedLearning
+from fusionrag_core.reuse.learned import OPEN_LIMIT, STORAGE_ERRORS, LearnConfig, LearnedCaches, SkippedLearning
 from fusionrag_core.runtime.kv import VARIANTS, ChunkKV
 from fusionrag_core.scope import OPERATOR, Scope
 from fusionrag_core.store.base import KVStore
@@ -221,7 +222,8 @@ class SharedLearnedCaches(LearnedCaches):
         self._redis.close()
 
 
-_open: dict[tuple[str, str, str, Scope], SharedLearnedCaches] = {}
+# NOTE: bounded as `learned.OPEN_LIMIT` bounds the directories: one entry per scope
+_open: OrderedDict[tuple[str, str, str, Scope], SharedLearnedCaches] = OrderedDict()
 _open_lock = threading.Lock()
 
 
@@ -239,11 +241,14 @@ def open_shared_learned(corpus: RedisKVStore, fingerprint: str, config: LearnCon
         learned = _open.get(key)
         if learned is None:
             learned = _open[key] = SharedLearnedCaches(corpus, fingerprint, config, scope)
+            while len(_open) > OPEN_LIMIT:
+                _open.popitem(last=False)
         elif config is not None and learned.config != config:
             raise InvalidRequestError(
                 f"the learned caches in {learned.location} are already open with other settings ({learned.config}); "
                 "give every session of one corpus and model the same bound"
             )
+        _open.move_to_end(key)
         return learned
 
 
