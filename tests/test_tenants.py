@@ -19,7 +19,7 @@ import httpx
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.cli import main
+from fusionrag_core.cli import build_parser, main
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.reuse import learned
@@ -27,10 +27,11 @@ from fusionrag_core.reuse.learned import content_id
 from fusionrag_core.scope import Scope
 from fusionrag_core.store import DiskKVStore
 from fusionrag_integrations.openai_server import ServerConfig, create_app
+from fusionrag_integrations.openai_server import command as serve_command
 from fusionrag_integrations.request import RequestOptions
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
 from tests.http_server import running_app
-from tests.ingest_worker import tiny_engine
+from tests.ingest_worker import tiny_engine, tiny_engine_at
 
 KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-0123456789ab"}
 RECORD = ("Patient record 4471: Mara Quill, born 12 March 1961, admitted on 3 May with a fractured left wrist after "
@@ -204,6 +205,16 @@ def test_a_process_keeps_a_bounded_number_of_scopes_open_and_reopens_one_that_co
 
 
 # ---- operators see and control it ---------------------------------------------------------------------
+@pytest.mark.parametrize(("flag", "learn", "shared"), [("off", False, False), ("tenant", True, False),
+                                                     ("shared", True, True)])
+def test_learn_reaches_every_ray_replica(flag: str, learn: bool, shared: bool, tmp_path: Path) -> None:
+    """Defect: a `--ray` replica learned per tenant whatever `--learn` said."""
+    args = build_parser(plugins=[serve_command.COMMAND]).parse_args(
+        ["--db", str(tmp_path), "serve", "--ray", "local", "--port", "8123", "--learn", flag])
+    spec = serve_command.replica_spec(args, lambda: tiny_engine_at("unused"), serve_command.server_config(args))
+    assert (spec.reuse.learn, spec.reuse.share_learned) == (learn, shared)
+
+
 def test_learned_lists_verifies_and_purges_a_tenants_caches(engine: FusionEngine, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """Defect: `fusionrag verify` said "no index in ..." of a learned-only data directory, and nothing

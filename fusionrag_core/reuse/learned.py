@@ -324,5 +324,5 @@ def open_learned(root: Path | str, fingerprint: str, config: LearnConfig | None 
         return learned
 
 
-__all__ = ["DEFAULT_MAX_BYTES", "OPEN_LIMIT", "STORAGE_ERRORS", "LearnConfig", "LearnedCaches", "SkippedLearning", "content_id",
-           "open_learned"]
+__all__ = ["DEFAULT_MAX_BYTES", "OPEN_LIMIT", "STORAGE_ERRORS", "LearnConfig", "LearnedCaches", "SkippedLearning",
+           "content_id", "open_learned"]

@@ -169,7 +169,8 @@ def replica_spec(args: argparse.Namespace, engine: Callable[[], FusionEngine], c
     # NOTE: absolute: replicas run in other working directories (and on other machines).
     return ReplicaSpec(engine_factory=engine, data_dir=str(Path(args.db).expanduser().resolve()),
                        chroma_url=args.chroma_url, redis_url=args.redis_url, collection=args.collection,
-                       server=config, limits=scheduler_limits(args), tiers=cache_tiers(args))
+                       server=config, limits=scheduler_limits(args), tiers=cache_tiers(args),
+                       reuse=reuse_config(args))
 
 
 def ray_options(args: argparse.Namespace) -> RayServeOptions | None:
