@@ -134,12 +134,12 @@ class ReuseSources(KVStore):
                                              or self.primary.has(chunk_id, "independent"))
 
     def _keep_uncovered(self, prompt: FusionPrompt, contents: Sequence[str]) -> None:
-        """`pending` less the pieces the prompt does not hold as written, or whose text a chunk found
-        in it covers (a stored chunk is reused there, so nothing is learned for it)."""
+        """`pending` less the pieces the prompt does not hold as written clear of every chunk found in
+        it (a stored chunk is reused there: a piece that overlaps one is not learned, as the layout
+        would not have placed it there)."""
         learnable = {cid for cid, _ in self.pending}
         found = [seg.text for seg in prompt.segments if seg.text and seg.chunk_id not in learnable]
-        self.pending = [(cid, text) for cid, text in self.pending
-                        if any(text in c for c in contents) and not any(text in f or f in text for f in found)]
+        self.pending = [(cid, text) for cid, text in self.pending if _occurs_clear(text, contents, found)]
 
     def _learnable(self, engine: FusionEngine, contents: Sequence[str],
                    documents: Sequence[str]) -> tuple[dict[str, str], dict[str, str]]:
@@ -228,6 +228,24 @@ class ReuseSources(KVStore):
 
     def close(self) -> None:
         """Nothing to release: the parts belong to their owners."""
+
+
+def _occurs_clear(piece: str, contents: Sequence[str], found: Sequence[str]) -> bool:
+    """Whether `piece` occurs in one of `contents` where it overlaps no occurrence of a `found` text."""
+    for content in contents:
+        taken = [(at, at + len(f)) for f in found for at in _occurrences(content, f)]
+        if any(all(at + len(piece) <= start or at >= end for start, end in taken)
+               for at in _occurrences(content, piece)):
+            return True
+    return False
+
+
+def _occurrences(text: str, piece: str) -> Iterator[int]:
+    """Where `piece` (non-empty) starts in `text`, each non-overlapping occurrence."""
+    at = text.find(piece) if piece else -1
+    while at >= 0:
+        yield at
+        at = text.find(piece, at + len(piece))
 
 
 def check_store_model(engine: FusionEngine, store: KVStore) -> None:
