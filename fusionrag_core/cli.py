@@ -1,4 +1,4 @@
-"""The `fusionrag` command: demo, ingest, ask, verify and bench.
+"""The `fusionrag` command: demo, ingest, ask, verify, learned and bench.
 
     fusionrag demo                                  # sample corpus, FusionRAG vs full attention
     fusionrag ingest docs/ notes.md                 # chunk, cache (independent + fused), index
@@ -246,7 +246,8 @@ def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentP
               fusionrag demo                                 ingest the sample corpus, compare with full attention
               fusionrag ingest docs/ notes.md                folders and .txt/.md files (.pdf with pypdf)
               fusionrag ask "Who designed the lighthouse?"   stream an answer, then TTFT and reuse statistics
-              fusionrag verify --no-repair                   check Chroma and the KV store agree
+              fusionrag verify --no-repair                   check Chroma, the KV store and learned caches
+              fusionrag learned --purge --tenant alice       remove one tenant's learned caches
               fusionrag bench --data musique_dev.jsonl --limit 10 --out bench/
               fusionrag --db /data/rag --model gemma3-270m ask "..."
             """),
@@ -329,6 +330,17 @@ def build_parser(plugins: Sequence[Command] | None = None) -> argparse.ArgumentP
     verify.add_argument("--repair", action=argparse.BooleanOptionalAction, default=True,
                         help="recompute bad caches, delete orphans, re-fuse stale caches (default: --repair)")
     verify.set_defaults(handler=cmd_verify)
+
+    learned = commands.add_parser(
+        "learned", parents=[shared], formatter_class=formatter,
+        help="list the caches learned from traffic, per model and tenant, or purge a tenant's",
+        description="List the learned caches under --db (each model, tenant and cache_salt: a salt shows as a "
+                    "digest), or remove every learned cache of one tenant. Purge while no server uses --db.",
+        epilog="examples:\n  fusionrag learned\n  fusionrag learned --purge --tenant alice",
+    )
+    learned.add_argument("--tenant", default=None, help="list (or purge) this tenant's only")
+    learned.add_argument("--purge", action="store_true", help="remove the learned caches of --tenant")
+    learned.set_defaults(handler=cmd_learned)
 
     bench = commands.add_parser(
         "bench", parents=[shared], formatter_class=formatter,
@@ -703,7 +715,40 @@ def cmd_ask(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: 
 
 # ---- verify ---------------------------------------------------------------------------------------
 def cmd_verify(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
-    """`fusionrag verify`: 0 if consistent (or repaired), 1 if problems remain."""
+    """`fusionrag verify`: the corpus, then the learned caches; 0 if consistent (or repaired), 1 if
+    problems remain."""
+    from fusionrag_core.reuse.inventory import learned_scopes
+
+    scopes = learned_scopes(args.db)
+    if args.chroma_url is None and not chroma_dir(args.db).is_dir() and scopes:
+        print(f"no index in {args.db}: checking its learned caches only")
+        return _verify_learned(args)
+    status = _verify_index(args, engine)
+    return max(status, _verify_learned(args)) if scopes else status
+
+
+def _verify_learned(args: argparse.Namespace) -> int:
+    """Check every directory of learned caches under --db (no model is loaded); 1 if problems remain."""
+    from fusionrag_core.reuse.inventory import learned_scopes, verify_learned
+
+    status = 0
+    for scope in learned_scopes(args.db):
+        report = verify_learned(scope, repair=args.repair)
+        name = f"learned caches of tenant {scope.tenant!r}" if scope.tenant else "learned caches"
+        if report.ok:
+            print(f"{name} in {report.path}: {report.caches} OK")
+            continue
+        found = ", ".join(f"{len(ids)} {kind}" for kind, ids in (("missing", report.missing), ("corrupt",
+                          report.corrupt), ("orphans", report.orphans)) if ids)
+        print(f"{name} in {report.path}: found {found}; " + ("removed (they are learned again from traffic)"
+                                                               if report.repaired else
+                                                               f"not repaired; run `{PROG} verify --repair`"))
+        status = status if report.repaired else 1
+    return status
+
+
+def _verify_index(args: argparse.Namespace, engine: Callable[[], FusionEngine]) -> int:
+    """Check the corpus: Chroma and its KV store; 1 if problems remain."""
     _require_index(args)
     index = open_index(args, engine())
     report = index.verify(repair=args.repair)
@@ -738,6 +783,28 @@ def cmd_verify(args: argparse.Namespace, engine: Callable[[], FusionEngine], arg
         return 0
     print(f"not repaired; run `{PROG} verify --repair` to fix")
     return 1
+
+
+# ---- learned --------------------------------------------------------------------------------------
+def cmd_learned(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequence[str]) -> int:
+    """`fusionrag learned`: list the learned caches under --db, or purge one tenant's (no model is loaded)."""
+    from fusionrag_core.reuse.inventory import learned_scopes, purge_tenant
+
+    if args.purge:
+        if args.tenant is None:
+            raise InvalidRequestError("--purge needs --tenant NAME (the tenant whose learned caches to remove)")
+        removed = purge_tenant(args.db, args.tenant)
+        print(f"removed {len(removed)} folder(s) of tenant {args.tenant!r}: " + ", ".join(map(str, removed))
+              if removed else f"no learned caches of tenant {args.tenant!r} under {args.db}")
+        return 0
+    shown = [s for s in learned_scopes(args.db) if args.tenant is None or s.tenant == args.tenant]
+    if not shown:
+        print(f"no learned caches under {args.db}" + (f" for tenant {args.tenant!r}" if args.tenant else ""))
+    for s in shown:
+        salt = "" if s.salt == "-" else f" salt {s.salt[:12]}"
+        who = f"tenant {s.tenant!r}{salt}" if s.tenant else "operator / shared"
+        print(f"model {s.model}  {who}: {s.caches} cache(s), {s.nbytes / 2**20:.1f} MiB  ({s.path})")
+    return 0
 
 
 # ---- bench ----------------------------------------------------------------------------------------

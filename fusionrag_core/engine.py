@@ -47,6 +47,7 @@ from fusionrag_core.runtime import loading, threads
 from fusionrag_core.runtime.converted import DEFAULT_CONVERTED, ConvertedCache
 from fusionrag_core.runtime.decoder import Decoder
 from fusionrag_core.runtime.kv import ChunkKV, Variant
+from fusionrag_core.scope import OPERATOR, Scope
 
 if TYPE_CHECKING:
     from fusionrag_core.store.base import KVStore
@@ -232,14 +233,15 @@ class FusionEngine:
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompt: FusionPrompt, *, store: KVStore | None = None, sampling: SamplingConfig | None = None,
                  selector: str | None = None, ratio: float | None = None, caches: Mapping[str, ChunkKV] | None = None,
-                 variant: Variant | None = None, learn: LearnFn | None = None) -> Generation:
+                 variant: Variant | None = None, learn: LearnFn | None = None, scope: Scope = OPERATOR) -> Generation:
         """Answer `prompt` and return the finished Generation; the arguments are `stream`'s."""
         return self.stream(prompt, store=store, sampling=sampling, selector=selector, ratio=ratio, caches=caches,
-                           variant=variant, learn=learn).collect()
+                           variant=variant, learn=learn, scope=scope).collect()
 
     def stream(self, prompt: FusionPrompt, *, store: KVStore | None = None, sampling: SamplingConfig | None = None,
                selector: str | None = None, ratio: float | None = None, caches: Mapping[str, ChunkKV] | None = None,
-               variant: Variant | None = None, learn: LearnFn | None = None) -> GenerationStream:
+               variant: Variant | None = None, learn: LearnFn | None = None,
+               scope: Scope = OPERATOR) -> GenerationStream:
         """Answer `prompt`, streaming text pieces. Nothing runs (and the TTFT clock does not start)
         until the stream is first read; the scheduler's limits are checked then.
 
@@ -254,17 +256,20 @@ class FusionEngine:
             variant: preferred stored cache variant (default from EngineConfig).
             learn: called with the prompt and its computed buffer once decoding ends, when some
                 chunk had no usable cache (e.g. `reuse.learned.LearnedCaches.learn`).
+            scope: whose request it is: it continues conversations and reuses memoised system
+                prefixes of this scope only (`fusionrag_core.scope`).
 
         Raises:
             ContextLengthError: the prompt and `max_new_tokens` exceed the model's context window.
             InvalidRequestError: an unknown selector or a bad ratio.
         """
-        request = self._request(prompt, sampling, selector, ratio, caches, variant, store, learn)
+        request = self._request(prompt, sampling, selector, ratio, caches, variant, store, learn, scope)
         return GenerationStream(self._pieces(request))
 
     def astream(self, prompt: FusionPrompt, *, store: KVStore | None = None, sampling: SamplingConfig | None = None,
                 selector: str | None = None, ratio: float | None = None, caches: Mapping[str, ChunkKV] | None = None,
-                variant: Variant | None = None, learn: LearnFn | None = None) -> AsyncGenerationStream:
+                variant: Variant | None = None, learn: LearnFn | None = None,
+                scope: Scope = OPERATOR) -> AsyncGenerationStream:
         """`stream` for asyncio: `async for` the pieces. With the scheduler, the engine's loop thread
         runs the model and each piece reaches the event loop as it is decoded (no thread hop per
         piece); without one, the request runs alone on a worker thread.
@@ -273,14 +278,14 @@ class FusionEngine:
             OverloadedError: when first read, the scheduler refused it (its message names the limit).
             ContextLengthError, InvalidRequestError: as `stream`.
         """
-        request = self._request(prompt, sampling, selector, ratio, caches, variant, store, learn)
+        request = self._request(prompt, sampling, selector, ratio, caches, variant, store, learn, scope)
         return self._async_stream(request)
 
     def astream_choices(self, prompt: FusionPrompt, n: int, *, store: KVStore | None = None,
                         sampling: SamplingConfig | None = None, selector: str | None = None,
                         ratio: float | None = None, caches: Mapping[str, ChunkKV] | None = None,
                         variant: Variant | None = None, learn: LearnFn | None = None,
-                        full_attention: bool = False) -> list[AsyncGenerationStream]:
+                        full_attention: bool = False, scope: Scope = OPERATOR) -> list[AsyncGenerationStream]:
         """`n` answers of one prompt (an OpenAI request's `n` choices), for asyncio: the prompt is
         stitched, selected and recomputed once, and each choice decodes a copy of it with its own
         sampling (choice i's seed is `seed + i`, as vLLM's, so it equals a request of that seed).
@@ -288,7 +293,7 @@ class FusionEngine:
         all). Only the first choice is kept in the prefix cache and learned from.
 
         Args:
-            prompt, store, sampling, selector, ratio, caches, variant, learn: as `stream`.
+            prompt, store, sampling, selector, ratio, caches, variant, learn, scope: as `stream`.
             n: how many choices (the scheduler's `max_running` at most).
             full_attention: answer with a plain prefill instead (`full_attention`).
 
@@ -301,8 +306,8 @@ class FusionEngine:
         if self.loop is None and n > 1:
             raise InvalidRequestError("n > 1 needs the engine's scheduler (EngineConfig.scheduler): without it, "
                                       "requests run alone and cannot share a prepared prompt")
-        parent = (self._plain_request(prompt, sampling) if full_attention else
-                  self._request(prompt, sampling, selector, ratio, caches, variant, store, learn))
+        parent = (self._plain_request(prompt, sampling, scope) if full_attention else
+                  self._request(prompt, sampling, selector, ratio, caches, variant, store, learn, scope))
         parent.forks = tuple(self._fork(parent, i) for i in range(1, n))
         loop = asyncio.get_running_loop()
         for request in (parent, *parent.forks):
@@ -316,16 +321,18 @@ class FusionEngine:
             seed = seed + index if seed + index <= SEED_RANGE[1] else seed + index - 2**64
         return Request(parent.prompt, dataclasses.replace(parent.sampling, seed=seed), parent.selection, parent.lookup,
                        parent.kv_bytes, full_attention=parent.full_attention, in_memory=parent.in_memory,
-                       eos_ids=self.eos_ids, forked=True)
+                       eos_ids=self.eos_ids, forked=True, scope=parent.scope)
 
-    def full_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None) -> GenerationStream:
-        """The baseline: a plain prefill of every prompt token from position 0, no cache reused."""
-        return GenerationStream(self._pieces(self._plain_request(prompt, sampling)))
+    def full_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None,
+                       scope: Scope = OPERATOR) -> GenerationStream:
+        """The baseline: a plain prefill of every prompt token from position 0, no chunk cache reused
+        (an exact head of a conversation of `scope` may be continued: it is what a prefill computes)."""
+        return GenerationStream(self._pieces(self._plain_request(prompt, sampling, scope)))
 
-    def afull_attention(self, prompt: FusionPrompt, *,
-                        sampling: SamplingConfig | None = None) -> AsyncGenerationStream:
+    def afull_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None,
+                        scope: Scope = OPERATOR) -> AsyncGenerationStream:
         """`full_attention` for asyncio (as `astream`)."""
-        request = self._plain_request(prompt, sampling)
+        request = self._plain_request(prompt, sampling, scope)
         return self._async_stream(request)
 
     def _async_stream(self, request: Request, *, submit: bool = True) -> AsyncGenerationStream:
@@ -333,13 +340,13 @@ class FusionEngine:
         return AsyncGenerationStream(self._apieces(request, submit=submit),
                                      lambda: asyncio.to_thread(self._finish, request))
 
-    def _plain_request(self, prompt: FusionPrompt, sampling: SamplingConfig | None) -> Request:
+    def _plain_request(self, prompt: FusionPrompt, sampling: SamplingConfig | None, scope: Scope) -> Request:
         selection = Selection("full_attention", get_selector("none"), self.config.select)
-        return self._new_request(prompt, sampling, selection, no_caches, full_attention=True)
+        return self._new_request(prompt, sampling, selection, no_caches, full_attention=True, scope=scope)
 
     def _request(self, prompt: FusionPrompt, sampling: SamplingConfig | None, selector: str | None,
                  ratio: float | None, caches: Mapping[str, ChunkKV] | None, variant: Variant | None,
-                 store: KVStore | None, learn: LearnFn | None) -> Request:
+                 store: KVStore | None, learn: LearnFn | None, scope: Scope) -> Request:
         """A new request for `stream`'s arguments, its defaults from the engine's configuration."""
         select_config = self.config.select if ratio is None else dataclasses.replace(self.config.select, ratio=ratio)
         name = selector or self.config.selector
@@ -347,17 +354,17 @@ class FusionEngine:
         lookup = ChunkLookup(self.model_kv, caches=caches, store=store, variant=variant or self.config.cache_variant,
                              exact_first=exact_first, bad_blobs=self._bad_blobs)
         return self._new_request(prompt, sampling, Selection(name, get_selector(name), select_config), lookup,
-                                 in_memory=caches or (), learn=learn, audit=self.auditor.should_audit())
+                                 in_memory=caches or (), learn=learn, audit=self.auditor.should_audit(), scope=scope)
 
     def _new_request(self, prompt: FusionPrompt, sampling: SamplingConfig | None, selection: Selection,
                      lookup: CacheLookup, *, full_attention: bool = False, in_memory: Container[str] = (),
-                     learn: LearnFn | None = None, audit: bool = False) -> Request:
+                     learn: LearnFn | None = None, audit: bool = False, scope: Scope = OPERATOR) -> Request:
         """A request whose prompt and new tokens fit the context window (else ContextLengthError)."""
         sampling = sampling or SamplingConfig()
         prompt.check_fits(sampling.max_new_tokens, self.context_window)
         kv_bytes = self.decoder.kv_bytes(prompt.num_tokens + sampling.max_new_tokens)
         return Request(prompt, sampling, selection, lookup, kv_bytes, full_attention=full_attention,
-                       in_memory=in_memory, learn=learn, audit=audit, eos_ids=self.eos_ids)
+                       in_memory=in_memory, learn=learn, audit=audit, eos_ids=self.eos_ids, scope=scope)
 
     def _pieces(self, request: Request) -> Iterator[str | Generation]:
         """The request's text pieces, then its Generation (a generator: nothing runs until read)."""
@@ -380,15 +387,16 @@ class FusionEngine:
         lookup = request.lookup
         tiers = lookup.tiers.as_dict() if isinstance(lookup, ChunkLookup) else {}
         fallbacks = lookup.fallbacks if isinstance(lookup, ChunkLookup) else {}
-        generation = generation_of(request, kv_tiers=tiers, cache_fallbacks=fallbacks)
+        origins = lookup.origins if isinstance(lookup, ChunkLookup) else {}
+        generation = generation_of(request, kv_tiers=tiers, cache_fallbacks=fallbacks, origins=origins)
         if request.audit:  # NOTE: the answer has streamed; only the final statistics wait for the audit
-            generation.audit = self._audit(request.prompt, generation)
+            generation.audit = self._audit(request.prompt, generation, request.scope)
         return generation
 
-    def _audit(self, prompt: FusionPrompt, served: Generation) -> AuditResult:
+    def _audit(self, prompt: FusionPrompt, served: Generation, served_scope: Scope) -> AuditResult:
         """Answer `prompt` with full attention (first token only) and compare it with `served`."""
         start = time.perf_counter()
-        reference = self.full_attention(prompt, sampling=SamplingConfig(max_new_tokens=1)).collect()
+        reference = self.full_attention(prompt, sampling=SamplingConfig(max_new_tokens=1), scope=served_scope).collect()
         result = audit_lib.compare(reference.first_token_logits, served.first_token_logits, selector=served.selector,
                                    ratio=served.ratio, seconds=time.perf_counter() - start)
         self.auditor.record(result)

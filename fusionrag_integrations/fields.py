@@ -24,6 +24,7 @@ from fusionrag_core.query.select import SELECTORS
 from fusionrag_core.query.tools import ToolRequest, tool_request
 from fusionrag_core.reuse.learned import DEFAULT_MAX_BYTES
 from fusionrag_core.runtime.kv import VARIANTS, Variant
+from fusionrag_core.scope import OPERATOR, Scope
 from fusionrag_integrations.arguments import closest
 from fusionrag_integrations.request import OPTION_NAMES, RESPONSE_FORMAT, TOOL_OPTIONS, RequestOptions
 from fusionrag_integrations.session import ReuseConfig
@@ -123,6 +124,24 @@ class ReuseFields(BaseModel):
     """Directory of learned caches instead (None: `<data_dir>/learned/<model fingerprint>`)."""
     learned_max_bytes: int = DEFAULT_MAX_BYTES
     """Bound of the learned caches in bytes; the least recently used go first."""
+    scope: Scope = OPERATOR
+    """Whose requests these are (`fusionrag_core.scope.Scope`: tenant, cache salt): they reuse only the
+    learned caches and conversations that requests of the same scope left. A call's `scope=` keyword
+    overrides it (one model serving many users)."""
+
+    def call_scope(self, call_options: dict[str, Any]) -> Scope:
+        """The scope of one call: its `scope=` keyword (popped from `call_options`), else the model's.
+
+        Raises:
+            InvalidRequestError: `scope=` is not a `Scope`.
+        """
+        scope = call_options.pop("scope", None)
+        if scope is None:
+            return self.scope
+        if not isinstance(scope, Scope):
+            raise InvalidRequestError(f"scope= takes a fusionrag_core.scope.Scope(tenant, cache_salt), got "
+                                      f"{type(scope).__name__}")
+        return scope
 
     def reuse_config(self, index_data_dir: Path | None = None) -> ReuseConfig:
         """These fields as the session's configuration.

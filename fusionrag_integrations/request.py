@@ -18,13 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from fusionrag_core.engine import AsyncGenerationStream, FusionEngine, Generation, GenerationStream, LearnFn
+from fusionrag_core.engine import AsyncGenerationStream, FusionEngine, Generation, GenerationStream
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.query.select import SelectConfig, get_selector
 from fusionrag_core.query.tools import ToolRequest
 from fusionrag_core.runtime.kv import VARIANTS, Variant
+from fusionrag_core.scope import OPERATOR, Scope
 from fusionrag_core.store import KVStore
 from fusionrag_integrations.response_format import response_grammar
 
@@ -102,32 +103,33 @@ class RequestOptions:
         return cls(SamplingConfig(**sampling), **selection, tools=tools)
 
     def stream(self, engine: FusionEngine, prompt: FusionPrompt, *, store: KVStore | None,
-               learn: LearnFn | None) -> GenerationStream:
-        """Start generating `prompt` on `engine`, reading caches from `store` (full attention reads none).
+               scope: Scope = OPERATOR) -> GenerationStream:
+        """Start generating `prompt` on `engine` for a request of `scope`, reading caches from
+        `store` (full attention reads none).
 
         With tools, the answer decodes under the grammar of the engine's tool-call format."""
         sampling = self._sampling(engine)
         if self.full_attention:
-            return engine.full_attention(prompt, sampling=sampling)
+            return engine.full_attention(prompt, sampling=sampling, scope=scope)
         return engine.stream(prompt, sampling=sampling, selector=self.selector, ratio=self.ratio,
-                             variant=self.variant, store=store, learn=learn)
+                             variant=self.variant, store=store, scope=scope)
 
     def astream(self, engine: FusionEngine, prompt: FusionPrompt, *, store: KVStore | None,
-                learn: LearnFn | None) -> AsyncGenerationStream:
+                scope: Scope = OPERATOR) -> AsyncGenerationStream:
         """`stream` for an asyncio consumer (`FusionEngine.astream`)."""
         sampling = self._sampling(engine)
         if self.full_attention:
-            return engine.afull_attention(prompt, sampling=sampling)
+            return engine.afull_attention(prompt, sampling=sampling, scope=scope)
         return engine.astream(prompt, sampling=sampling, selector=self.selector, ratio=self.ratio,
-                              variant=self.variant, store=store, learn=learn)
+                              variant=self.variant, store=store, scope=scope)
 
     def astream_choices(self, engine: FusionEngine, prompt: FusionPrompt, n: int, *, store: KVStore | None,
-                        learn: LearnFn | None) -> list[AsyncGenerationStream]:
-        """`n` choices of `prompt`, prepared once (`FusionEngine.astream_choices`); on the event loop
-        that reads them."""
+                        scope: Scope = OPERATOR) -> list[AsyncGenerationStream]:
+        """`n` choices of `prompt` for a request of `scope`, prepared once (`FusionEngine.astream_choices`);
+        on the event loop that reads them."""
         return engine.astream_choices(prompt, n, sampling=self._sampling(engine), selector=self.selector,
-                                      ratio=self.ratio, variant=self.variant, store=store, learn=learn,
-                                      full_attention=self.full_attention)
+                                      ratio=self.ratio, variant=self.variant, store=store,
+                                      full_attention=self.full_attention, scope=scope)
 
     def _sampling(self, engine: FusionEngine) -> SamplingConfig:
         if self.tools is None:
@@ -147,13 +149,14 @@ OPTION_NAMES: tuple[str, ...] = SAMPLING_OPTIONS + SELECTION_OPTIONS
 
 def generation_stats(generation: Generation) -> dict[str, Any]:
     """What responses report about a generation: `Generation.stats()` plus `cache_miss_reasons`
-    (chunk id -> why it was prefilled) and `chunk_found_by` (chunk id -> how the prompt named it:
-    "mark", "content", "document", "mark_then_content", ...).
+    (chunk id -> why it was prefilled), `chunk_found_by` (chunk id -> how the prompt named it:
+    "mark", "content", "document", "mark_then_content", ...) and `chunk_reused_from` (chunk id ->
+    "corpus", "learned", "conversation" or "caller": `Generation.reused_from`).
 
     NOTE: JSON-friendly values only (no tensors): this travels in framework metadata.
     """
     return {**generation.stats(), "cache_miss_reasons": dict(generation.cache_misses),
-            "chunk_found_by": dict(generation.found_by)}
+            "chunk_found_by": dict(generation.found_by), "chunk_reused_from": dict(generation.reused_from)}
 
 
 __all__ = [

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # fusionrag_core's layers, bottom first: a module may import its own layer and the ones below.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "paths", "data"),
+    ("errors", "paths", "data", "scope"),
     ("runtime",),
     ("store",),
     ("recognise",),

@@ -35,13 +35,15 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.engine import FusionEngine
+from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import CacheMismatchError
 from fusionrag_core.index import FusionIndex, IngestConfig
 from fusionrag_core.paths import kv_dir
+from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.recognise.content_index import ContentIndex
 from fusionrag_core.reuse.learned import LearnConfig, LearnedCaches
+from fusionrag_core.reuse.learning import learn_pieces
 from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_core.store import DiskKVStore
 from fusionrag_core.store.redis import RedisKVStore
@@ -107,6 +109,14 @@ def _fail_fsync_under(monkeypatch: pytest.MonkeyPatch, root: Path, code: int) ->
     monkeypatch.setattr(os, "fsync", fsync)
 
 
+
+def answer_and_learn(engine: FusionEngine, prompt: FusionPrompt, sources: ReuseSources) -> Generation:
+    """Answer `prompt` reading `sources`, then learn what it held without a cache, as `ReuseSession.run` does."""
+    generation = engine.generate(prompt, store=sources, sampling=SAMPLING)
+    assert sources.learned is not None
+    learn_pieces(engine, sources.learned, sources.pending)
+    return generation
+
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
@@ -123,8 +133,8 @@ def test_a_full_disk_skips_learning_with_one_warning_and_every_answer_comes(
     with caplog.at_level(logging.WARNING, logger="fusionrag"):
         for _ in range(3):
             prompt = sources.prompt(engine, MESSAGES, documents=TEXTS)
-            generation = engine.generate(prompt, store=sources, learn=learned.learn, sampling=SAMPLING)
-            assert generation.token_ids == expected.token_ids and len(generation.cache_misses) == len(TEXTS)
+            generation = answer_and_learn(engine, prompt, sources)
+            assert generation.token_ids == expected.token_ids and len(sources.pending) == len(TEXTS)
     warnings = _warnings(caplog)
     assert len(warnings) == 1, warnings
     assert os.strerror(code) in warnings[0] and str(learned.root) in warnings[0]
@@ -132,7 +142,7 @@ def test_a_full_disk_skips_learning_with_one_warning_and_every_answer_comes(
     assert learned.index.find(CONTEXT) == []
     monkeypatch.undo()  # room again: learning resumes
     prompt = sources.prompt(engine, MESSAGES, documents=TEXTS)
-    engine.generate(prompt, store=sources, learn=learned.learn, sampling=SAMPLING)
+    answer_and_learn(engine, prompt, sources)
     assert len(learned) == len(TEXTS)
 
 
@@ -149,7 +159,7 @@ def test_a_full_index_database_leaves_no_blob_without_its_rows(
     with caplog.at_level(logging.WARNING, logger="fusionrag"):
         for _ in range(2):
             prompt = sources.prompt(engine, MESSAGES, documents=TEXTS)
-            engine.generate(prompt, store=sources, learn=learned.learn, sampling=SAMPLING)
+            answer_and_learn(engine, prompt, sources)
     warnings = _warnings(caplog)
     assert len(warnings) == 1 and "database or disk is full" in warnings[0], warnings
     assert len(learned) == 0 and learned.store.list_ids() == set()
@@ -175,7 +185,7 @@ def test_a_content_index_at_its_page_limit_leaves_no_learned_blob_without_its_ro
                     junk.add("j" * size + str(len(junk)))
     with caplog.at_level(logging.WARNING):
         prompt = sources.prompt(engine, MESSAGES, documents=TEXTS)
-        engine.generate(prompt, store=sources, learn=learned.learn, sampling=SAMPLING)
+        answer_and_learn(engine, prompt, sources)
     warnings = _warnings(caplog)
     assert len(warnings) == 1 and "database or disk is full" in warnings[0], warnings
     with learned._lock:
@@ -200,7 +210,8 @@ def test_a_full_disk_costs_a_langchain_chain_no_answer_and_warns_once(
     _fail_fsync_under(monkeypatch, tmp_path / "learned", errno.ENOSPC)
     with caplog.at_level(logging.WARNING, logger="fusionrag"):
         answers = [chain.invoke(QUESTION) for _ in range(3)]
-    assert all(isinstance(a, AIMessage) and a.response_metadata["cache_misses"] == 3 for a in answers)
+    # NOTE: nothing could be learned, so nothing is reused; every answer still comes
+    assert all(isinstance(a, AIMessage) and a.response_metadata["reused_tokens"] == 0 for a in answers)
     warnings = [w for w in _warnings(caplog) if os.strerror(errno.ENOSPC) in w]
     assert len(warnings) == 1 and str((tmp_path / "learned").resolve()) in warnings[0], _warnings(caplog)
     assert [p for p in _files(tmp_path / "learned") if p.suffix in (".safetensors", ".tmp")] == []
@@ -224,9 +235,8 @@ def test_a_learned_dir_that_cannot_be_made_costs_no_answer_and_warns_once(
 def test_8bit_learned_caches_are_kept_and_reused(engine: FusionEngine, tmp_path: Path, dtype: Any) -> None:
     learned = LearnedCaches(tmp_path, engine.fingerprint, LearnConfig(storage_dtype=dtype))
     sources = ReuseSources(None, learned)
-    first = engine.generate(sources.prompt(engine, MESSAGES, documents=TEXTS), store=sources, learn=learned.learn,
-                            sampling=SAMPLING)
-    assert len(learned) == len(TEXTS) and len(first.cache_misses) == len(TEXTS)
+    answer_and_learn(engine, sources.prompt(engine, MESSAGES, documents=TEXTS), sources)
+    assert len(learned) == len(TEXTS) and len(sources.pending) == len(TEXTS)
     second = engine.generate(ReuseSources(None, learned).prompt(engine, MESSAGES), store=sources, sampling=SAMPLING)
     assert second.reused_tokens > 0 and second.cache_misses == {}
     assert learned.nbytes == sum(p.stat().st_size for p in (tmp_path / "kv").rglob("*.safetensors"))
@@ -305,8 +315,7 @@ def test_another_models_learned_caches_are_refused_when_opened(engine: FusionEng
     shared = tmp_path / "shared"
     theirs = LearnedCaches(shared, other.fingerprint)
     sources = ReuseSources(None, theirs)
-    other.generate(sources.prompt(other, MESSAGES, documents=TEXTS), store=sources, learn=theirs.learn,
-                   sampling=SAMPLING)
+    answer_and_learn(other, sources.prompt(other, MESSAGES, documents=TEXTS), sources)
     assert len(theirs) == len(TEXTS)
     with pytest.raises(CacheMismatchError, match="learned_dir"):
         LearnedCaches(shared, engine.fingerprint)

@@ -350,10 +350,10 @@ def test_query_engine_reuses_caches_and_answers_like_the_engine(
     def untimed(meta: dict[str, Any]) -> dict[str, Any]:
         # NOTE: prefilled_tokens may drop: the first query's uncached context was learned as caches, and
         # its system prefix computed, which the second serves from the system-prefix memo
-        # (system_prefix_tokens, prefix_cached_tokens, reuse_ratio)
+        # (system_prefix_tokens, prefix_cached_tokens and the exact_cached_tokens they make, reuse_ratio)
         return {k: v for k, v in meta.items()
                 if k not in ("ttft_s", "total_s", "prefilled_tokens", "prefix_cached_tokens",
-                             "system_prefix_tokens", "reuse_ratio")}
+                             "system_prefix_tokens", "exact_cached_tokens", "reuse_ratio")}
 
     assert untimed(streaming.metadata) == untimed(response.metadata)
 

@@ -14,11 +14,13 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fusionrag_core.engine import FusionEngine
+from fusionrag_core.engine import FusionEngine, Generation
+from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.recognise.content_index import ANCHOR_CHARS, ContentIndex, Match, chunk_anchor
 from fusionrag_core.recognise.marks import MARK_CLOSE, MARK_OPEN, MARK_SEP, mark_chunk, split_marks, strip_marks
 from fusionrag_core.reuse.learned import LearnConfig, LearnedCaches, content_id
+from fusionrag_core.reuse.learning import learn_pieces
 from fusionrag_core.reuse.sources import ReuseMonitor, ReuseSources
 from fusionrag_core.store import DiskKVStore, KVStore
 from fusionrag_core.store.tiered import TieredKVStore
@@ -60,6 +62,14 @@ def _messages(context: str, where: str = "user") -> list[dict[str, str]]:
 
 
 # ---- the content index -------------------------------------------------------------------------------
+
+def answer_and_learn(engine: FusionEngine, prompt: FusionPrompt, sources: ReuseSources) -> Generation:
+    """Answer `prompt` reading `sources`, then learn what it held without a cache, as `ReuseSession.run` does."""
+    generation = engine.generate(prompt, store=sources, sampling=SAMPLING)
+    assert sources.learned is not None
+    learn_pieces(engine, sources.learned, sources.pending)
+    return generation
+
 def test_index_finds_every_stored_chunk_anywhere_and_verifies_the_whole_text(tmp_path: Path) -> None:
     index = ContentIndex(tmp_path)
     assert index.add((f"c{i}", t) for i, t in enumerate(TEXTS)) == 0
@@ -192,21 +202,20 @@ def test_retrieved_documents_are_learned_then_reused_on_the_next_ask(engine: Fus
     sources = ReuseSources(None, learned)
     messages = _messages("\n\n".join(TEXTS))
     first_prompt = sources.prompt(engine, messages, documents=TEXTS)
-    assert all(s.learn for s in first_prompt.segments if s.kind == "chunk")
-    first = engine.generate(first_prompt, store=sources, learn=learned.learn, sampling=SAMPLING)
-    assert first.reused_tokens == 0 and len(first.cache_misses) == len(TEXTS)
+    assert len(sources.pending) == len(TEXTS) and first_prompt.segments == ()  # NOTE: text, until learned
+    first = answer_and_learn(engine, first_prompt, sources)
+    assert first.reused_tokens == 0 and first.cache_misses == {}
     assert len(learned) == len(TEXTS)
     ids = [content_id(t.strip(), engine.fingerprint) for t in TEXTS]
     assert learned.neighbours(ids[2]) == ids[:2]  # what the document attended to when it was computed
     # the next ask needs no documents: the texts are found by content in the learned caches
     second_prompt = ReuseSources(None, learned).prompt(engine, messages)
-    second = engine.generate(second_prompt, store=sources, learn=learned.learn, sampling=SAMPLING)
+    second = answer_and_learn(engine, second_prompt, sources)
     chunk_tokens = sum(s.num_tokens for s in second_prompt.segments if s.kind == "chunk")
     assert second.reused_tokens >= 0.7 * chunk_tokens > 0
-    # a learned cache holds exactly what the first request computed: at ratio 1.0 with the same layout
-    # the answer equals the first one (which had every chunk prefilled)
+    # at ratio 1.0 every reused token is computed again: the answer is a plain prefill's of that prompt
     exact = engine.generate(second_prompt, store=sources, ratio=1.0, sampling=SAMPLING)
-    assert exact.token_ids == first.token_ids
+    assert exact.token_ids == engine.full_attention(second_prompt, sampling=SAMPLING).collect().token_ids
 
 
 def test_learned_caches_stay_within_their_byte_bound_least_recently_used_first(engine: FusionEngine,

@@ -21,6 +21,7 @@ from fusionrag_core.cli import build_parser
 from fusionrag_core.engine import FusionEngine, Generation
 from fusionrag_core.errors import AccountingError, OverloadedError
 from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_core.scope import OPERATOR
 from fusionrag_integrations.openai_server import command as serve_command
 from tests.scheduling import assert_same_answer, engine_like, idle, use_scheduler
 
@@ -85,7 +86,7 @@ def test_the_token_account_raises_when_it_does_not_add_up() -> None:
 
 # ---- the scheduler's plan --------------------------------------------------------------------------------
 def _request_of(engine: FusionEngine, question: str) -> Request:
-    return engine._request(engine.prompt(question, CHUNKS), SAMPLING, None, None, None, None, None, None)
+    return engine._request(engine.prompt(question, CHUNKS), SAMPLING, None, None, None, None, None, None, OPERATOR)
 
 
 def test_the_plan_admits_within_max_running_and_steps_only_once_requests_run(engine: FusionEngine) -> None:

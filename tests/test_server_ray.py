@@ -138,7 +138,7 @@ def test_two_replicas_answer_like_one_server(replicas: RayServeApp, corpus: Fusi
     import openai
 
     # NOTE: learned caches of its own (under tmp_path): the replicas' are shared through Redis
-    session = ReuseSession(default_engine, corpus.store, ReuseConfig(data_dir=tmp_path, share_learned=False))
+    session = ReuseSession(default_engine, corpus.store, ReuseConfig(data_dir=tmp_path, learned_in_redis=False))
     ray_client = openai.OpenAI(base_url=f"{replicas.url}/v1", api_key="unused", max_retries=0, timeout=120)
     reused = 0
     with running_app(create_app(session, ServerConfig())) as single, httpx.Client(base_url=single, timeout=120) as one:

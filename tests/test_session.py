@@ -83,7 +83,9 @@ def test_a_learning_request_writes_its_caches_there_in_both_frameworks(one_layer
         session = cls(engine=one_layer_engine, data_dir=str(data_dir), max_new_tokens=2).reuse_session()
         options = RequestOptions(SamplingConfig(max_new_tokens=2))
         pieces = list(session.answer([{"role": "user", "content": f"{TEXTS[2]}\n{QUESTION}"}], options, [TEXTS[2]]))
-        assert isinstance(pieces[-1], Generation) and pieces[-1].cache_misses  # learned, not reused
+        assert isinstance(pieces[-1], Generation) and pieces[-1].reused_tokens == 0  # learned, not reused
+        learned = session.learned()
+        assert learned is not None and len(learned) == 1
         assert (learned_dir(data_dir, one_layer_engine.fingerprint) / "lru.sqlite").exists()
 
 

@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.reuse.learned import LearnConfig, content_id
+from fusionrag_core.reuse.learning import learn_pieces
 from fusionrag_core.reuse.shared_learned import SharedLearnedCaches, redis_backend
 from fusionrag_core.reuse.sources import ReuseSources
 from fusionrag_core.store import DiskKVStore, RedisKVStore, TieredKVStore
@@ -63,13 +64,16 @@ def _replica(corpus: RedisKVStore, engine: FusionEngine, config: LearnConfig | N
 
 def _ask(engine: FusionEngine, learned: SharedLearnedCaches, documents: list[str] | None = None, *,
          learning: bool = True) -> tuple[int, int]:
-    """(reused tokens, misses) of a request whose system message holds DOCS, learning what it misses."""
+    """(reused tokens, misses) of a request whose system message holds DOCS, learning what it misses
+    once it has answered (as `ReuseSession` does: a first-seen piece counts as a miss)."""
     sources = ReuseSources(None, learned, learning=learning)
     messages = [{"role": "system", "content": "Answer from these passages.\n\n" + "\n\n".join(DOCS)},
                 {"role": "user", "content": "Where did the guild meet?"}]
     prompt = sources.prompt(engine, messages, documents=documents or [])
-    gen = engine.generate(prompt, store=sources, learn=learned.learn, sampling=SAMPLING)
-    return gen.reused_tokens, len(gen.cache_misses)
+    gen = engine.generate(prompt, store=sources, sampling=SAMPLING)
+    pending = sources.pending if learning else []
+    learn_pieces(engine, learned, pending)
+    return gen.reused_tokens, len(gen.cache_misses) + len(pending)
 
 
 def test_a_document_learned_by_one_process_is_reused_by_another_on_first_sight(
@@ -100,12 +104,16 @@ def test_the_byte_bound_and_lru_hold_across_processes(engine: FusionEngine, corp
 def test_a_corrupt_shared_blob_is_a_reported_miss_and_relearned(engine: FusionEngine, corpus: RedisKVStore) -> None:
     a, b = _replica(corpus, engine), _replica(corpus, engine)
     _ask(engine, a, DOCS)
-    key = a._redis.blob_key(content_id(DOCS[0], engine.fingerprint), "fused")
     raw = redis.Redis.from_url(corpus.url)
-    raw.setrange(key, raw.strlen(key) - 8, b"\x00garbage")  # NOTE: a flipped tail: its checksum fails
+    for variant in ("independent", "fused"):  # NOTE: a learned piece keeps both; either alone would serve it
+        key = a._redis.blob_key(content_id(DOCS[0], engine.fingerprint), variant)
+        raw.setrange(key, raw.strlen(key) - 8, b"\x00garbage")  # NOTE: a flipped tail: its checksum fails
     reused, misses = _ask(engine, b)
     assert misses == 1 and reused > 0  # NOTE: the other document is still reused; the answer is given
-    assert _ask(engine, a)[1] == 0  # NOTE: relearned by the request that missed it
+    # NOTE: the blobs were set aside when read: the next request holds the piece as a first-seen one
+    # (a miss) and learns it again once answered; the one after reuses it
+    assert _ask(engine, a)[1] == 1
+    assert _ask(engine, b)[1] == 0
 
 
 def test_a_full_redis_skips_learning_with_one_warning_never_the_answer(
@@ -131,7 +139,7 @@ def test_a_session_over_a_redis_store_shares_its_learned_caches(engine: FusionEn
     session = ReuseSession(engine, tiered, ReuseConfig(data_dir=tmp_path))
     learned = session.learned()
     assert isinstance(learned, SharedLearnedCaches) and learned is session.learned(create=True)
-    local = ReuseSession(engine, corpus, ReuseConfig(data_dir=tmp_path, share_learned=False)).learned(create=True)
+    local = ReuseSession(engine, corpus, ReuseConfig(data_dir=tmp_path, learned_in_redis=False)).learned(create=True)
     assert local is not None and not isinstance(local, SharedLearnedCaches)
     assert (tmp_path / "learned").is_dir()
     learned.close()

@@ -18,13 +18,14 @@ from fusionrag_core.batching.prefix_cache import KeptPrefix, PrefixCache, Reused
 from fusionrag_core.query.prompt import FusionPrompt, Segment
 from fusionrag_core.query.stitch import CacheLookup, Stitched
 from fusionrag_core.runtime.kv import ChunkKV
+from fusionrag_core.scope import OPERATOR, Scope
 
 
 def continued_head(cache: PrefixCache | None, prompt: FusionPrompt, lookup: CacheLookup, *, exact_only: bool,
-                   selection: tuple[str, float | None]) -> tuple[KeptPrefix | None, int, bool]:
+                   selection: tuple[str, float | None], scope: Scope = OPERATOR) -> tuple[KeptPrefix | None, int, bool]:
     """The kept prefix `prompt` continues, how many of its tokens (all but the last at most;
     `exact_only`: within the entry's exact head), and whether the prompt repeats the entry's own;
-    or (None, 0, False).
+    or (None, 0, False). Only an entry of the request's `scope` is continued.
 
     A later turn (the prompt holds the entry's whole prompt) continues all it shares. Any other
     prompt continues only with `PrefixCacheConfig.shared_documents`, and only an entry its own
@@ -36,7 +37,36 @@ def continued_head(cache: PrefixCache | None, prompt: FusionPrompt, lookup: Cach
     """
     if cache is None:
         return None, 0, False
-    found = cache.match(prompt.token_ids(), prompt.num_tokens - 1)
+    kept, n, repeat = _head(cache, prompt, lookup, exact_only=exact_only, selection=selection, scope=scope)
+    cache.served(n)
+    return kept, n, repeat
+
+
+def kept_layout(cache: PrefixCache | None, prompt: FusionPrompt, lookup: CacheLookup, *, exact_only: bool,
+                selection: tuple[str, float | None], scope: Scope = OPERATOR) -> FusionPrompt:
+    """`prompt`, or its layout without learned caches (`FusionPrompt.unlearned`) where a kept entry
+    continues that one further and leaves no more to compute than `prompt`'s question.
+
+    NOTE: a learned piece is tokenized on its own, so a prompt that reads it parts at the piece from
+    the K/V kept by the request that learned it (which read the piece as plain text). The same prompt
+    asked again, or a later turn of its conversation, would otherwise continue the exact K/V kept
+    only up to the piece and read approximate ones after it. The other layout never computes more
+    tokens than `prompt`'s question, which a request continuing `prompt` computes anyway.
+    """
+    other = prompt.unlearned
+    if cache is None or other is None:
+        return prompt
+    theirs, ours = (_head(cache, p, lookup, exact_only=exact_only, selection=selection, scope=scope)[1]
+                    for p in (other, prompt))
+    if theirs > ours and other.num_tokens - theirs <= int(prompt.question.shape[0]):
+        return other
+    return prompt
+
+
+def _head(cache: PrefixCache, prompt: FusionPrompt, lookup: CacheLookup, *, exact_only: bool,
+          selection: tuple[str, float | None], scope: Scope) -> tuple[KeptPrefix | None, int, bool]:
+    """`continued_head`, counting nothing served."""
+    found = cache.match(prompt.token_ids(), prompt.num_tokens - 1, scope)
     kept, n = found if found is not None else (None, 0)
     repeat = False
     if kept is not None:
@@ -51,7 +81,6 @@ def continued_head(cache: PrefixCache | None, prompt: FusionPrompt, lookup: Cach
         # first chunk after it); a kept entry is continued for shared documents or earlier turns
         if n < cache.config.min_tokens or (n <= int(prompt.prefix.shape[0]) and n < kept.prompt_tokens):
             kept, n, repeat = None, 0, False
-    cache.served(n)
     return kept, n, repeat
 
 
@@ -154,7 +183,7 @@ def settle(st: Stitched, selected: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], fingerprint: str,
               kept_runs: tuple[ReusedRun, ...], exact_base: int, selection: tuple[str, float | None],
-              healed: torch.Tensor | None = None) -> KeptPrefix:
+              healed: torch.Tensor | None = None, scope: Scope = OPERATOR) -> KeptPrefix:
     """The finished request's K/V as a prefix entry: every computed slot (prompt, then the answer tokens
     fed back), which of them are reused chunk tokens never recomputed, and where those came from.
 
@@ -169,6 +198,7 @@ def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], finge
             first chunk, a continued entry's exact head).
         selection: its selector and ratio.
         healed: `[n]` bool: which tokens of the kept head it continued healing made exact (None: none).
+        scope: its request's (only requests of that scope continue the entry).
     """
     T = st.buf.length
     inexact = torch.zeros(T, dtype=torch.bool)
@@ -197,6 +227,7 @@ def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], finge
         runs=tuple(sorted(runs, key=lambda r: r.start)), fingerprint=fingerprint,
         prompt_tokens=int(st.slot_tokens.shape[0]), exact_tokens=exact, selector=selection[0], ratio=selection[1],
         healed=None if healed is None else torch.cat([healed, torch.zeros(T - int(healed.shape[0]), dtype=torch.bool)]),
+        scope=scope,
     )
 
 

@@ -5,7 +5,7 @@ the streams that yield its text as it is decoded.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -41,6 +41,12 @@ class Generation:
         kept_prefix_tokens: of those, the head of a kept request continued from the prefix cache
             (`EngineConfig.prefix_cache`; its reused chunk tokens never recomputed count as reused or
             recomputed instead).
+        reused_from: chunk id -> where the K/V reused for it came from: "corpus" (ingested),
+            "learned" (learned caches of the request's scope), "conversation" (a kept turn of its
+            scope), "caller" (caches passed in memory). `stats()` also splits the cached tokens into
+            exact ones (`exact_cached_tokens`: the prefix, as a plain prefill computes it) and
+            approximate ones (`approximate_cached_tokens`: reused chunk K/V, computed in another
+            context: FusionRAG's recompute narrows the difference, it does not remove it).
         context_tokens: tokens between prefix and question (chunks and the text around them).
         first_token_logits: `[V]` fp32 logits of the first generated position.
         cache_misses: chunk id -> why its cache was not used (it was prefilled instead).
@@ -92,6 +98,7 @@ class Generation:
     prefix_cached_tokens: int = 0
     system_prefix_tokens: int = 0
     kept_prefix_tokens: int = 0
+    reused_from: dict[str, str] = field(default_factory=dict)
     audit: AuditResult | None = None
     logprobs: list[TokenLogprob] | None = None
     exact_tokens: int = 0
@@ -144,6 +151,8 @@ class Generation:
             "prefix_cached_tokens": self.prefix_cached_tokens,
             "system_prefix_tokens": self.system_prefix_tokens,
             "kept_prefix_tokens": self.kept_prefix_tokens,
+            "exact_cached_tokens": self.prefix_cached_tokens,
+            "approximate_cached_tokens": self.reused_tokens,
             "context_tokens": self.context_tokens,
             "reuse_ratio": self.reuse_ratio,
             "recomputed_fraction": self.recomputed_fraction,
@@ -223,8 +232,10 @@ class AsyncGenerationStream:
         return self.result
 
 
-def generation_of(request: Request, *, kv_tiers: dict[str, int], cache_fallbacks: dict[str, str]) -> Generation:
-    """The finished request's Generation; its token counts checked to add up.
+def generation_of(request: Request, *, kv_tiers: dict[str, int], cache_fallbacks: dict[str, str],
+                  origins: Mapping[str, str] | None = None) -> Generation:
+    """The finished request's Generation; its token counts checked to add up. `origins`: where each
+    chunk cache the request loaded came from (`query.lookup.ChunkLookup.origins`).
 
     Raises:
         AccountingError: they do not (a defect in the engine, never the caller's).
@@ -265,7 +276,20 @@ def generation_of(request: Request, *, kv_tiers: dict[str, int], cache_fallbacks
         exact_tokens=exact - healed,
         healed_tokens=healed,
         approximate_tokens=prompt.num_tokens - exact,
+        reused_from=reused_from(request, origins or {}),
     )
+
+
+def reused_from(request: Request, origins: Mapping[str, str]) -> dict[str, str]:
+    """Chunk id -> where the K/V this request reused for it came from: "conversation" (a kept turn it
+    continued), else the cache's origin ("corpus": ingested, "learned": this scope's learned caches,
+    "caller": passed in memory)."""
+    st = request.stitched_buffer()
+    out = {run.chunk_id: "conversation" for run in request.continued_runs if run.chunk_id}
+    for source in st.chunk_sources:
+        if source is not None and source[0] and source[0] not in out:
+            out[source[0]] = origins.get(source[0], "corpus")
+    return out
 
 
 __all__ = ["AsyncGenerationStream", "Generation", "GenerationStream", "generation_of"]

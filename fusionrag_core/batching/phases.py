@@ -23,6 +23,7 @@ from fusionrag_core.batching.continuation import (
     continued_head,
     head_cache,
     kept_from,
+    kept_layout,
     reopen,
     rest_of,
     settle,
@@ -39,6 +40,7 @@ from fusionrag_core.query.sampling import Sampler, TextAssembler
 from fusionrag_core.query.select import probe_for
 from fusionrag_core.query.stitch import CacheLookup, Stitched, prefetch, stitch
 from fusionrag_core.runtime.decoder import Decoder
+from fusionrag_core.scope import OPERATOR
 
 
 @dataclass(frozen=True)
@@ -71,15 +73,17 @@ def stitch_request(request: Request, shared: Shared) -> None:
     """Lay the request out in its buffer: a kept prefix continued, the system prefix, the chunk caches
     re-rotated after them; set its selection budget and the probe its selector reads."""
     plain = request.full_attention
-    # NOTE: a local: `request.lookup` stays the request's own (its loads and fallbacks are read at the end)
-    lookup = request.lookup if plain else prefetch(request.prompt, request.lookup, shared.loader,
-                                                   inline=request.in_memory)
     selection = request.selection
     # NOTE: a full recompute (and full attention) must equal a plain prefill, so it continues only exact
     # K/V: a kept turn's question and answer attended to the approximate chunk K/V of its time
-    kept, n, repeat = continued_head(shared.prefix_cache, request.prompt, lookup,
-                                     exact_only=plain or selection.recomputes_everything,
-                                     selection=(selection.name, selection.ratio))
+    exact_only, chosen = plain or selection.recomputes_everything, (selection.name, selection.ratio)
+    request.relayout(kept_layout(shared.prefix_cache, request.prompt, request.lookup, exact_only=exact_only,
+                                 selection=chosen, scope=request.scope))
+    # NOTE: a local: `request.lookup` stays the request's own (its loads and fallbacks are read at the end)
+    lookup = request.lookup if plain else prefetch(request.prompt, request.lookup, shared.loader,
+                                                   inline=request.in_memory)
+    kept, n, repeat = continued_head(shared.prefix_cache, request.prompt, lookup, exact_only=exact_only,
+                                     selection=chosen, scope=request.scope)
     if kept is not None:
         st, budget_base = _stitch_continued(request, shared, lookup, kept, n)
         request.continued = kept if n == kept.num_tokens else None
@@ -120,13 +124,16 @@ def _stitch_continued(request: Request, shared: Shared, lookup: CacheLookup, kep
 def _stitch_fresh(request: Request, shared: Shared, lookup: CacheLookup) -> tuple[Stitched, int]:
     """Stitch after the system prefix (memoised, or computed now)."""
     prompt = request.stitched_prompt = request.prompt
-    prefix, memoised = shared.system_prefixes.get(prompt.prefix)
+    canonical = torch.equal(prompt.prefix.cpu(), shared.canonical_prefix)
+    # NOTE: the prefix chunk caches are computed after is the operator's, shared by every scope; any
+    # other one a request brought is memoised for its own scope only
+    prefix, memoised = shared.system_prefixes.get(prompt.prefix, OPERATOR if canonical else request.scope)
     P = int(prompt.prefix.shape[0])
     # NOTE: the prefix is either served from memory or computed now: in one count, never both
     request.account.system_prefix = P if memoised else 0
     request.account.prefilled = int(prompt.question.shape[0]) + P - request.account.system_prefix
     st = stitch(shared.decoder, prompt, prefix, lookup, extra_capacity=request.sampling.max_new_tokens,
-                exact_prefix=torch.equal(prompt.prefix.cpu(), shared.canonical_prefix))
+                exact_prefix=canonical)
     request.exact_base = P
     if st.exact_slots.numel() and int(st.exact_slots[0]) == request.exact_base:
         request.exact_base += int(st.exact_slots.shape[0])
@@ -192,6 +199,7 @@ def recompute(requests: Sequence[Request], decoder: Decoder) -> None:
 def fork(request: Request, parent: Request, shared: Shared) -> None:
     """Give a fork its parent's computed prompt: a copy of the buffer (each choice appends its own
     tokens), the same accounting and first logits; it then decodes with its own sampling."""
+    request.relayout(parent.prompt)  # NOTE: the layout the parent chose (`kept_layout`)
     st = parent.stitched_buffer()
     assert parent.phase is Phase.RECOMPUTED and parent.first_logits is not None, "fork before the parent's recompute"
     buf = shared.decoder.new_buffer(st.buf.capacity)
@@ -250,7 +258,7 @@ def keep(request: Request, shared: Shared) -> None:
     if shared.prefix_cache is not None:
         kept = kept_from(st, request.selected, decoding.ids, shared.fingerprint, request.continued_runs,
                          request.exact_base, (request.selection.name, request.selection.ratio),
-                         request.healed_head)
+                         request.healed_head, request.scope)
         shared.prefix_cache.keep(kept, replaces=request.continued)
         request.enter(Phase.KEPT)
 

@@ -23,6 +23,10 @@ such (`inexact`, with their fusion drift) and which stored cache each reused chu
 question, as a fresh FusionRAG request would, (b) use only the exact head where exactness is
 required (full attention), and (c) stop the match before a chunk whose stored cache changed since
 (a corpus update never serves a stale prefix).
+
+Entries are kept per `Scope` (tenant, cache salt): the block chain of an entry is seeded with its
+scope's digest and a match is made only within the asking request's scope, so a conversation is
+never continued, nor its tokens counted as cached, for a request of another scope.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import xxhash
 
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.runtime.kv import storage_bytes
+from fusionrag_core.scope import OPERATOR, Scope
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,7 @@ class KeptPrefix:
             answered from its K/V as they are).
         healed: `[T]` bool: tokens made exact by healing (`batching.heal`), all within the exact
             head; None: none.
+        scope: whose request computed it; only requests of the same scope continue it.
     """
 
     token_ids: torch.Tensor
@@ -122,6 +128,7 @@ class KeptPrefix:
     selector: str
     ratio: float | None
     healed: torch.Tensor | None = None
+    scope: Scope = OPERATOR
 
     @property
     def num_tokens(self) -> int:
@@ -169,21 +176,21 @@ class PrefixCache:
         self.hits = self.misses = self.hit_tokens = self.evictions = 0
         self.promotions = self.demotions = 0
 
-    def match(self, token_ids: torch.Tensor, limit: int) -> tuple[KeptPrefix, int] | None:
-        """The kept entry sharing the longest head with `token_ids` `[T]`, and that head's length
-        (at most `limit`); None when it is shorter than `min_tokens`. A host-tier entry comes back
+    def match(self, token_ids: torch.Tensor, limit: int, scope: Scope = OPERATOR) -> tuple[KeptPrefix, int] | None:
+        """The kept entry of `scope` sharing the longest head with `token_ids` `[T]`, and that head's
+        length (at most `limit`); None when it is shorter than `min_tokens`. A host-tier entry comes back
         to the device tier. Counts no hit or miss: the caller says what it served (`served`), once
         it has checked the head."""
         ids = token_ids.cpu()
         with self._lock:
             key: int | None = None
-            for digest, _ in _chain(ids[:limit], self.config.block_tokens):
+            for digest, _ in _chain(ids[:limit], self.config.block_tokens, scope):
                 known = self._blocks.get(digest)
                 if known is None:
                     break
                 key = known
             entry = self._promote(key) if key is not None else None
-        if entry is None:
+        if entry is None or entry.scope != scope:  # NOTE: a hash never decides alone
             return None
         n = _shared_head(entry.token_ids, ids, limit)
         return (entry, n) if n >= self.config.min_tokens else None
@@ -208,7 +215,7 @@ class PrefixCache:
                             self._drop(tier, key)
             key = self._next_id
             self._next_id += 1
-            for digest, _ in _chain(entry.token_ids, self.config.block_tokens):
+            for digest, _ in _chain(entry.token_ids, self.config.block_tokens, entry.scope):
                 self._blocks[digest] = key
             self._admit(key, entry.to(self.device))
 
@@ -315,14 +322,14 @@ class PrefixCache:
         self._unlink(key, entry)
 
     def _unlink(self, key: int, entry: KeptPrefix) -> None:
-        for digest, _ in _chain(entry.token_ids, self.config.block_tokens):
+        for digest, _ in _chain(entry.token_ids, self.config.block_tokens, entry.scope):
             if self._blocks.get(digest) == key:
                 del self._blocks[digest]
 
 
-def _chain(ids: torch.Tensor, block: int) -> Iterator[tuple[bytes, int]]:
-    """(hash of every block up to this one, the tokens they cover) for each full block of `ids`."""
-    h = b""
+def _chain(ids: torch.Tensor, block: int, scope: Scope) -> Iterator[tuple[bytes, int]]:
+    """(hash of `scope` and every block up to this one, the tokens they cover) for each full block of `ids`."""
+    h = scope.digest
     data = ids.to(torch.int64).numpy().tobytes()
     for end in range(block, int(ids.shape[0]) + 1, block):
         h = xxhash.xxh3_128_digest(h + data[(end - block) * 8 : end * 8])

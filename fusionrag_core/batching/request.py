@@ -37,6 +37,7 @@ from fusionrag_core.query.recompute import SparsePass
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.query.select import SelectConfig, Selector
 from fusionrag_core.query.stitch import CacheLookup, Stitched
+from fusionrag_core.scope import OPERATOR, Scope
 
 # Called once a request's answer is decoded, with its stitched prompt and buffer, when some chunk had
 # no usable cache: keeps those chunks' K/V (e.g. `fusionrag_core.reuse.learned.LearnedCaches.learn`).
@@ -218,6 +219,8 @@ class Request:
         learn: called once decoded when some chunk had no usable cache.
         audit: also answer it with full attention, once it has streamed.
         eos_ids: tokens that end its answer.
+        scope: whose request it is: it continues and keeps conversation K/V, and memoises system
+            prefixes, within this scope only.
         id: unique in the process.
         phase: where it is.
         arrived_at: `time.perf_counter()` when it was submitted (its TTFT counts from there).
@@ -255,6 +258,7 @@ class Request:
     learn: LearnFn | None = None
     audit: bool = False
     eos_ids: Collection[int] = ()
+    scope: Scope = OPERATOR
     id: int = field(default_factory=lambda: next(_ids))
     phase: Phase = Phase.WAITING
     arrived_at: float = field(default_factory=time.perf_counter)
@@ -280,6 +284,16 @@ class Request:
 
     def __post_init__(self) -> None:
         self.account = TokenAccount(prompt=self.prompt.num_tokens)
+
+    def relayout(self, prompt: FusionPrompt) -> None:
+        """Read `prompt` instead (the same text laid out otherwise, `FusionPrompt.unlearned`), before
+        anything is stitched; its token account starts anew."""
+        if prompt is self.prompt:
+            return
+        if self.stitched is not None:
+            raise RuntimeError(f"request {self.id}: its prompt cannot change once stitched")
+        self.prompt = prompt
+        self.account = TokenAccount(prompt=prompt.num_tokens)
 
     def enter(self, phase: Phase) -> None:
         """Move to `phase`.

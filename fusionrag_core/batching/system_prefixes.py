@@ -2,7 +2,9 @@
 
 A system prefix (the chat template's system turn) starts most prompts, and every chunk cache is
 computed after one: its K/V are exact whoever asks, so they are computed once and shared by every
-request and every ingest that starts with it. Thread-safe; holds no per-request state.
+request and every ingest that starts with it. A prefix is kept per `Scope`: whether one was computed
+before shows (as `cached_tokens`, and in time), so a system prompt one tenant sent is never served
+as kept to another. Thread-safe; holds no per-request state.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import torch
 from fusionrag_core.query.prefill import prefill_prefix
 from fusionrag_core.runtime.decoder import Decoder
 from fusionrag_core.runtime.kv import ChunkKV
+from fusionrag_core.scope import OPERATOR, Scope
 
 
 class SystemPrefixes:
-    """An LRU of computed system prefixes, keyed by their token ids.
+    """An LRU of computed system prefixes, keyed by their scope and token ids.
 
     Args:
         decoder: computes a prefix that is not kept yet.
@@ -30,15 +33,15 @@ class SystemPrefixes:
         self.decoder = decoder
         self.fingerprint = fingerprint
         self.size = size
-        self._kept: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
+        self._kept: OrderedDict[tuple[bytes, tuple[int, ...]], ChunkKV] = OrderedDict()
         self._lock = threading.Lock()  # NOTE: requests and ingest ask from several threads
 
-    def get(self, prefix_ids: torch.Tensor) -> tuple[ChunkKV | None, bool]:
+    def get(self, prefix_ids: torch.Tensor, scope: Scope = OPERATOR) -> tuple[ChunkKV | None, bool]:
         """The exact cache of `prefix_ids` `[P]` (None when empty), and whether it was kept already
-        (False: computed by this call)."""
+        for `scope` (False: computed by this call)."""
         if prefix_ids.numel() == 0:
             return None, False
-        key = tuple(int(t) for t in prefix_ids)
+        key = (scope.digest, tuple(int(t) for t in prefix_ids))
         with self._lock:
             if key in self._kept:
                 self._kept.move_to_end(key)

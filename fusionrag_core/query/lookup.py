@@ -64,12 +64,15 @@ class ChunkLookup:
         self.bad_blobs = bad_blobs
         self.tiers = TierStats.of(CACHE_SOURCES)
         self.fallbacks: dict[str, str] = {}
+        self.origins: dict[str, str] = {}  # NOTE: chunk id -> "corpus" / "learned" / "caller" (`ORIGINS`)
         self._lock = threading.Lock()  # NOTE: the loader threads record into `tiers` and `fallbacks`
 
     def __call__(self, chunk_id: str, first: bool) -> ChunkKV | CacheMiss | None:
         if self.caches is not None and chunk_id in self.caches:
             kv = self.caches[chunk_id]
             kv.validate(fingerprint=self.model.fingerprint, shape=self.model.shape)
+            with self._lock:
+                self.origins[chunk_id] = "caller"
             return kv
         if self.store is None or not is_storable_chunk_id(chunk_id):
             return None  # NOTE: an id no store can hold has no cache: stitch reports it as a miss
@@ -108,6 +111,7 @@ class ChunkLookup:
                                          device=m.device, dtype=m.dtype)
         with self._lock:
             self.tiers.add(tier, kv.nbytes)
+            self.origins[chunk_id] = "learned" if tier == "learned" else "corpus"
         return kv
 
 

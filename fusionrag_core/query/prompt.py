@@ -90,12 +90,19 @@ class Segment:
 
 @dataclass(frozen=True)
 class FusionPrompt:
-    """prefix (computed exactly, memoised) + context segments + question (always computed fresh)."""
+    """prefix (computed exactly, memoised) + context segments + question (always computed fresh).
+
+    `unlearned`: the same text laid out without learned caches, as the request that learned them
+    read it (set by `reuse.sources.ReuseSources` when a segment is a learned cache): a learned piece
+    is tokenized on its own, so this layout's tokens part from the kept K/V of that request at the
+    piece, and a kept entry may continue the other one exactly (`batching.continuation.kept_layout`).
+    """
 
     prefix: torch.Tensor  # [P] int64
     segments: tuple[Segment, ...]
     question: torch.Tensor  # [Q] int64
     metadata: Mapping[str, str] = field(default_factory=dict)
+    unlearned: FusionPrompt | None = None
 
     def __post_init__(self) -> None:
         if self.question.numel() == 0:
@@ -315,7 +322,7 @@ class PromptLayout:
         pieces: list[str | _Found] = []
         for part in split_marks(rendered):
             if isinstance(part, str):
-                pieces += _recognised(part, find, docs, cut)
+                pieces += _recognised(part, find, docs, cut, has_cache=has_cache)
             elif has_cache is None or has_cache(part.chunk_id):
                 pieces.append(_Found(part.chunk_id, part.text, "mark"))
             else:
@@ -392,16 +399,22 @@ class _Found:
 
 
 def _recognised(text: str, find: Callable[[str], Sequence[Match]] | None, documents: Mapping[str, str],
-                spans: Mapping[str, str] | None = None) -> list[str | _Found]:
+                spans: Mapping[str, str] | None = None, *,
+                has_cache: Callable[[str], bool] | None = None) -> list[str | _Found]:
     """Plain `text` as plain pieces and the chunks found in it, in order: content first (in the text,
     then inside each document's own text), then documents, then spans, each where the ones before
-    left the text free."""
+    left the text free.
+
+    With `has_cache`, a document without a cache is searched for stored chunks but never cut out of
+    the text: tokenized on its own it would read other tokens than a plain prefill of the prompt,
+    and with nothing to reuse in it a plain prefill is what the request must equal."""
     placed = _Placed([(m.start, m.end, m.chunk_id, "content") for m in find(text)] if find is not None else [])
     if find is not None:
         # NOTE: a stored chunk too short for a content anchor is probed only where a line starts, and
         # tools label each document ("Content: <text>"); inside its document's own text it starts one.
         placed.add_occurrences(text, _stored_chunks_in(documents.values(), find), "content")
-    placed.add_occurrences(text, documents, "document")
+    cached = documents if has_cache is None else {cid: d for cid, d in documents.items() if has_cache(cid)}
+    placed.add_occurrences(text, cached, "document")
     placed.add_occurrences(text, spans or {}, "span")
     out: list[str | _Found] = []
     at = 0

@@ -1,11 +1,11 @@
 """Caches learned from traffic: a retrieved document's K/V, computed in a real prompt, kept as its cache.
 
-When a request prefills the text of a document that was retrieved for it (the integrations see the
-retriever's results through LangChain callbacks and LlamaIndex instrumentation), the recompute pass
-has just computed that document's K/V after the documents placed before it: a fused cache whose
-neighbours are the real co-retrieved ones. `LearnedCaches.learn` keeps that slice, at no extra
-model pass, keyed by content (`chunking.chunk_id` of the text), and indexes the text so the next
-prompt holding it finds the cache by content (`recognise.ContentIndex`).
+When a request holds the text of a document that was retrieved for it (the integrations see the
+retriever's results through LangChain callbacks and LlamaIndex instrumentation), or a span of its
+context, that has no cache yet, the document's caches are computed once the request has answered,
+as ingest computes a chunk's (`reuse.learning`), and kept here (`LearnedCaches.keep`), keyed by
+content (`chunking.chunk_id` of the text), its text indexed so the next prompt holding it finds
+the cache by content (`recognise.ContentIndex`).
 
 Learned caches live in their own directory (a disk KV store, a content index and an LRU table),
 bounded in bytes: the least recently used are evicted first. `reuse.ReuseSources` is what a
@@ -24,16 +24,15 @@ import logging
 import sqlite3
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from fusionrag_core.errors import CacheMismatchError, InvalidRequestError
 from fusionrag_core.ingest.chunking import ChunkingConfig, chunk_id
-from fusionrag_core.query.prompt import FusionPrompt
-from fusionrag_core.query.stitch import Stitched
 from fusionrag_core.recognise.content_index import ContentIndex
-from fusionrag_core.runtime.kv import ChunkKV
+from fusionrag_core.runtime.kv import VARIANTS, ChunkKV
 from fusionrag_core.store.base import KVStore
 from fusionrag_core.store.codec import StorageDType
 from fusionrag_core.store.corpus_index import CorpusIndex
@@ -156,37 +155,26 @@ class LearnedCaches:
         self.index: CorpusIndex = ContentIndex(self.root / "content")
         self._lock = threading.Lock()
 
-    def learn(self, prompt: FusionPrompt, st: Stitched) -> None:
-        """Keep the computed K/V of every learnable chunk of `prompt` that had no cache.
+    def keep(self, chunk_id: str, text: str, fused: ChunkKV, neighbours: Sequence[str]) -> None:
+        """Keep a cache computed outside any request (`reuse.learning`): `fused` is stored next to the
+        chunk's independent cache, already in `store`; both are indexed and bounded as one entry.
 
-        Best-effort: when the directory cannot take a cache (`STORAGE_ERRORS`), that cache and the
-        request's others are skipped, with one warning per cause (`skipped`), and nothing is raised.
-
-        NOTE: call after the recompute pass (as `FusionEngine.stream(learn=...)` does): only then
-        do the chunk's slots hold its K/V. The slices are copies, so the request's buffer is free.
+        Raises:
+            OSError, sqlite3.OperationalError (`STORAGE_ERRORS`): the directory cannot take it;
+                nothing of it stays (its independent cache included).
         """
-        seen = [s.chunk_id for s in prompt.segments if s.chunk_id]
-        kept: set[str] = set()  # NOTE: a text the prompt repeats (a sentence a thousand times) is kept once
-        for i, slots in st.missed:
-            seg = prompt.segments[i]
-            if not seg.learn or not seg.text or seg.chunk_id is None or seg.chunk_id in kept:
-                continue
-            kept.add(seg.chunk_id)
-            keys, values = st.buf.slice(slots)  # [L, H, T, D] each
-            kv = ChunkKV(seg.token_ids.cpu(), keys, values, st.buf.positions[slots].clone(), self.fingerprint,
-                         "fused")
-            before = [c for c in seen[:seen.index(seg.chunk_id)] if c != seg.chunk_id]
-            try:
-                self._put(seg.chunk_id, seg.text, kv, before)
-            except self.storage_errors as e:
-                self.skipped.report(self.location, e)
-                return  # NOTE: the request's other caches would meet the same full disk
+        self._put(chunk_id, text, fused, neighbours)
+
+    def discard(self, chunk_id: str) -> None:
+        """Drop every cache of `chunk_id` and its rows, best-effort (a write that failed half-way)."""
+        self._forget(chunk_id)
 
     def _put(self, chunk_id: str, text: str, kv: ChunkKV, neighbours: Sequence[str]) -> None:
         """Store one cache with its content-index and LRU rows; when any of the three fails, none stays."""
         self.store.put(chunk_id, kv)  # NOTE: atomic: a failed put leaves no file (`DiskKVStore.put`)
         try:
-            nbytes = self._disk.path_for(chunk_id, kv.variant).stat().st_size
+            nbytes = sum(self._disk.path_for(chunk_id, v).stat().st_size for v in VARIANTS
+                         if self._disk.has(chunk_id, v))
             self.index.add([(chunk_id, text)], strict=True)  # NOTE: a blob no prompt can find is not kept
             with self._lock, self._db:
                 self._db.execute("INSERT OR REPLACE INTO learned VALUES (?, ?, ?, ?)",
@@ -306,7 +294,11 @@ def _remove_empty(dirs: Sequence[Path]) -> None:
             d.rmdir()
 
 
-_open: dict[Path, LearnedCaches] = {}
+OPEN_LIMIT = 64
+"""Learned-cache directories a process keeps open at once (one per scope: tenant and cache salt).
+Beyond it the least recently used is let go: closed once no request holds it, opened again when
+its scope comes back (its caches and their LRU order live on disk)."""
+_open: OrderedDict[Path, LearnedCaches] = OrderedDict()
 _open_lock = threading.Lock()
 
 
@@ -321,13 +313,16 @@ def open_learned(root: Path | str, fingerprint: str, config: LearnConfig | None 
         learned = _open.get(path)
         if learned is None:
             learned = _open[path] = LearnedCaches(path, fingerprint, config)
+            while len(_open) > OPEN_LIMIT:
+                _open.popitem(last=False)
         elif learned.fingerprint != fingerprint or (config is not None and learned.config != config):
             raise InvalidRequestError(
                 f"learned caches at {path} are already open for another model or with other settings; "
                 "give each model its own directory (paths.learned_dir does)"
             )
+        _open.move_to_end(path)
         return learned
 
 
-__all__ = ["DEFAULT_MAX_BYTES", "STORAGE_ERRORS", "LearnConfig", "LearnedCaches", "SkippedLearning", "content_id",
-           "open_learned"]
+__all__ = ["DEFAULT_MAX_BYTES", "OPEN_LIMIT", "STORAGE_ERRORS", "LearnConfig", "LearnedCaches", "SkippedLearning",
+           "content_id", "open_learned"]

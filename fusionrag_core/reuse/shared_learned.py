@@ -27,12 +27,14 @@ import logging
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from fusionrag_core.errors import CacheMismatchError, FusionRAGError, InvalidRequestError
-from fusionrag_core.reuse.learned import STORAGE_ERRORS, LearnConfig, LearnedCaches, SkippedLearning
-from fusionrag_core.runtime.kv import ChunkKV
+from fusionrag_core.reuse.learned import OPEN_LIMIT, STORAGE_ERRORS, LearnConfig, LearnedCaches, SkippedLearning
+from fusionrag_core.runtime.kv import VARIANTS, ChunkKV
+from fusionrag_core.scope import OPERATOR, Scope
 from fusionrag_core.store.base import KVStore
 
 if TYPE_CHECKING:
@@ -40,9 +42,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("fusionrag")
 
-# KEYS: lru, nbytes, neighbours, total, blob. ARGV: chunk id, use time, neighbours (JSON).
+# KEYS: lru, nbytes, neighbours, total, then the entry's blobs (every variant). ARGV: chunk id, use
+# time, neighbours (JSON).
 _RECORD = """
-local n = redis.call('STRLEN', KEYS[5])
+local n = 0
+for i = 5, #KEYS do n = n + redis.call('STRLEN', KEYS[i]) end
 local old = redis.call('HGET', KEYS[2], ARGV[1])
 if old then redis.call('DECRBY', KEYS[4], old) end
 redis.call('HSET', KEYS[2], ARGV[1], n)
@@ -83,17 +87,19 @@ class SkippedSharedLearning(SkippedLearning):
     could not be kept in, or read from, Redis."""
 
     ADVICE = ("check the server, give it memory (maxmemory), or keep learned caches on each node "
-              "(share_learned=False) or turn learning off (learn=False)")
+              "(learned_in_redis=False) or turn learning off (learn=False)")
 
     @staticmethod
     def cause(error: Exception) -> str:
         return type(error.__cause__ or error).__name__  # NOTE: the Redis error a FusionRAGError wraps
 
 
-def shared_namespace(corpus_namespace: str, fingerprint: str) -> str:
-    """The Redis namespace of the caches the model `fingerprint` learns beside the corpus `corpus_namespace`."""
+def shared_namespace(corpus_namespace: str, fingerprint: str, scope: Scope = OPERATOR) -> str:
+    """The Redis namespace of the caches the model `fingerprint` learns beside the corpus
+    `corpus_namespace` for requests of `scope` (a digest: a tenant's or client's text never names a key)."""
     corpus = hashlib.sha256(corpus_namespace.encode()).hexdigest()[:12]
-    return f"learned.{fingerprint[:16]}.{corpus}"
+    base = f"learned.{fingerprint[:16]}.{corpus}"
+    return base if scope.is_operator else f"{base}.{scope.digest.hex()}"
 
 
 def redis_backend(store: KVStore | None) -> RedisKVStore | None:
@@ -114,13 +120,15 @@ class SharedLearnedCaches(LearnedCaches):
         corpus: the corpus's Redis store (its server and namespace say where learned caches go).
         fingerprint: the model's fingerprint; caches of other models are never stored here.
         config: bound and dtype.
+        scope: whose requests read and teach them (`shared_namespace`: a namespace per scope).
 
     Raises:
         FusionRAGError: the server cannot be reached.
         CacheMismatchError: the namespace holds caches another model learned.
     """
 
-    def __init__(self, corpus: RedisKVStore, fingerprint: str, config: LearnConfig | None = None) -> None:
+    def __init__(self, corpus: RedisKVStore, fingerprint: str, config: LearnConfig | None = None,
+                 scope: Scope = OPERATOR) -> None:
         import redis
 
         from fusionrag_core.store.redis import RedisKVStore
@@ -128,7 +136,7 @@ class SharedLearnedCaches(LearnedCaches):
         self.fingerprint = fingerprint
         self.config = config or LearnConfig()
         self.storage_errors = (*STORAGE_ERRORS, FusionRAGError, redis.exceptions.RedisError)
-        namespace = shared_namespace(corpus.namespace, fingerprint)
+        namespace = shared_namespace(corpus.namespace, fingerprint, scope)
         self._redis = RedisKVStore(corpus.url, namespace, self.config.storage_dtype)
         self.store = self._redis
         found = self._redis.stored_fingerprints()
@@ -156,7 +164,8 @@ class SharedLearnedCaches(LearnedCaches):
         self.store.put(chunk_id, kv)
         try:
             self.index.add([(chunk_id, text)], strict=True)  # NOTE: a blob no prompt can find is not kept
-            self._record(keys=[*self._keys, self._redis.blob_key(chunk_id, kv.variant)],
+            # NOTE: the entry's bytes are all its variants' (a learned piece keeps its independent cache too)
+            self._record(keys=[*self._keys, *(self._redis.blob_key(chunk_id, v) for v in VARIANTS)],
                          args=[chunk_id, time.time(), json.dumps(list(neighbours))])
         except BaseException:
             self._forget(chunk_id)
@@ -213,29 +222,33 @@ class SharedLearnedCaches(LearnedCaches):
         self._redis.close()
 
 
-_open: dict[tuple[str, str, str], SharedLearnedCaches] = {}
+# NOTE: bounded as `learned.OPEN_LIMIT` bounds the directories: one entry per scope
+_open: OrderedDict[tuple[str, str, str, Scope], SharedLearnedCaches] = OrderedDict()
 _open_lock = threading.Lock()
 
 
-def open_shared_learned(corpus: RedisKVStore, fingerprint: str, config: LearnConfig | None = None
-                        ) -> SharedLearnedCaches:
-    """The process's one `SharedLearnedCaches` of a corpus's Redis store and a model.
+def open_shared_learned(corpus: RedisKVStore, fingerprint: str, config: LearnConfig | None = None,
+                        scope: Scope = OPERATOR) -> SharedLearnedCaches:
+    """The process's one `SharedLearnedCaches` of a corpus's Redis store, a model and a scope.
 
     Raises:
         FusionRAGError: the server cannot be reached (the next call tries again).
         InvalidRequestError: they are already open with another bound.
         CacheMismatchError: the namespace holds another model's learned caches.
     """
-    key = (corpus.url, corpus.namespace, fingerprint)
+    key = (corpus.url, corpus.namespace, fingerprint, scope)
     with _open_lock:
         learned = _open.get(key)
         if learned is None:
-            learned = _open[key] = SharedLearnedCaches(corpus, fingerprint, config)
+            learned = _open[key] = SharedLearnedCaches(corpus, fingerprint, config, scope)
+            while len(_open) > OPEN_LIMIT:
+                _open.popitem(last=False)
         elif config is not None and learned.config != config:
             raise InvalidRequestError(
                 f"the learned caches in {learned.location} are already open with other settings ({learned.config}); "
                 "give every session of one corpus and model the same bound"
             )
+        _open.move_to_end(key)
         return learned
 
 

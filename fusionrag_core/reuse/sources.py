@@ -11,10 +11,11 @@ never warns.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,8 +30,11 @@ from fusionrag_core.reuse.learned import LearnedCaches, content_id
 from fusionrag_core.reuse.spans import PARAGRAPH_BREAK, conversation_spans
 from fusionrag_core.runtime.compat import tokenize_plain
 from fusionrag_core.runtime.kv import ChunkKV, Variant
+from fusionrag_core.scope import OPERATOR, Scope
 from fusionrag_core.store.base import CacheSource, KVStore
 from fusionrag_core.store.corpus_index import CorpusIndex
+
+_Finder = Callable[[str], Sequence[Match]]
 
 logger = logging.getLogger("fusionrag")
 
@@ -51,54 +55,99 @@ class ReuseSources(KVStore):
     """What one request reads caches from: an index's store (ingested) first, then learned caches.
 
     A read view (`put` goes to the primary store) that also finds chunks by content in both
-    content indexes. Either part may be None.
+    content indexes. Either part may be None. One per request: it records what the request's prompt
+    may learn (`pending`).
 
     Args:
-        primary: the KV store ingest wrote (None: none attached).
-        learned: caches learned so far (None: learning off, or nothing learned yet).
+        primary: the KV store ingest wrote (None: none attached), shared by every scope.
+        learned: caches learned so far by requests of `scope` (None: learning off, or nothing
+            learned yet).
         learning: whether retrieved documents are made learnable (default: `learned` is given).
+        scope: whose request reads these sources (`fusionrag_core.scope`).
     """
 
     def __init__(self, primary: KVStore | None, learned: LearnedCaches | None, *,
-                 learning: bool | None = None) -> None:
+                 learning: bool | None = None, scope: Scope = OPERATOR) -> None:
         super().__init__(primary.storage_dtype if primary is not None else "float16")
         self.primary = primary
         self.learned = learned
         self.learning = learned is not None if learning is None else learning
         self.primary_index = primary.content_index() if primary is not None else None
+        self.scope = scope
         self.retrieved = 0  # NOTE: how many retrieved documents `prompt` was given (read by `diagnose`)
+        self.pending: list[tuple[str, str]] = []  # NOTE: (content id, text) to learn once answered, in order
 
     def find(self, text: str) -> list[Match]:
         """Stored chunks found by content in `text`: the index's first, learned ones in the gaps."""
         found = self.primary_index.find(text) if self.primary_index is not None else []
         if self.learned is None:
             return found
-        extra = [m for m in self.learned.index.find(text)
-                 if all(m.end <= f.start or m.start >= f.end for f in found)]
+        # NOTE: a learned row whose blobs are gone (set aside as corrupt, or evicted by another process)
+        # is no chunk: its text stays learnable, and is learned again.
+        learned = self.learned
+        extra = [m for m in learned.index.find(text) if all(m.end <= f.start or m.start >= f.end for f in found)
+                 and (learned.store.has(m.chunk_id, "fused") or learned.store.has(m.chunk_id, "independent"))]
         return sorted(found + extra, key=lambda m: m.start)
 
     def prompt(self, engine: FusionEngine, messages: Sequence[Mapping[str, Any]],
                documents: Sequence[str] = (), tools: ToolRequest | None = None) -> FusionPrompt:
         """`messages` as a FusionPrompt: chunks found by mark or content; if learning is on, the
-        context around them becomes learnable chunks where it occurs: `documents` (texts retrieved
-        for this request), or, when none were retrieved, content-defined spans of the messages
-        (`spans.conversation_spans`). A mark whose id has no cache here is found by its text (see
+        context around them is learnable where it occurs: `documents` (texts retrieved for this
+        request), or, when none were retrieved, content-defined spans of the messages
+        (`spans.conversation_spans`). Those with a cache become chunks; the others stay plain text
+        (the prompt a plain prefill reads) and are recorded in `pending`, to be learned once the
+        request has answered (`reuse.learning`). A mark whose id has no cache here is found by its text (see
         `PromptLayout.from_messages`). `tools` are rendered with the messages (the tool list is
         template text: never cut into spans)."""
         require_unicode(list(messages), "messages")  # NOTE: before the spans are hashed, not only at the layout
-        docs, cut = self._learnable(engine, [str(m.get("content") or "") for m in messages], documents)
-        return engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_cache,
-                                           spans=cut, tools=tools)
+        contents = [str(m.get("content") or "") for m in messages]
+        docs, cut = self._learnable(engine, contents, documents)
+        prompt = engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_cache,
+                                             spans=cut, tools=tools)
+        self._keep_uncovered(prompt, contents)
+        return self._with_unlearned(prompt, lambda find, has_cache: engine.prompt_from_messages(
+            messages, find=find, documents=docs, has_cache=has_cache, tools=tools))
 
     def prompt_from_text(self, engine: FusionEngine, text: str, documents: Sequence[str] = ()) -> FusionPrompt:
         """A raw text prompt (a completion) as a FusionPrompt, chunks found and learned as in `prompt`."""
         require_unicode(text, "prompt")
         docs, cut = self._learnable(engine, [text], documents)
-        return engine.prompt_from_text(text, find=self.find, documents=docs, has_cache=self.has_cache, spans=cut)
+        prompt = engine.prompt_from_text(text, find=self.find, documents=docs, has_cache=self.has_cache, spans=cut)
+        self._keep_uncovered(prompt, [text])
+        return self._with_unlearned(prompt, lambda find, has_cache: engine.prompt_from_text(
+            text, find=find, documents=docs, has_cache=has_cache))
+
+    def _with_unlearned(self, prompt: FusionPrompt, lay_out: Callable[[_Finder | None, Callable[[str], bool]],
+                                                                     FusionPrompt]) -> FusionPrompt:
+        """`prompt` with its layout without learned caches (`FusionPrompt.unlearned`: the corpus's
+        chunks alone, as the request that learned them read it), when one of its segments is learned."""
+        if self.learned is None or not any(
+                seg.chunk_id and self.has_cache(seg.chunk_id) and not self._ingested(seg.chunk_id)
+                for seg in prompt.segments):
+            return prompt
+        find = self.primary_index.find if self.primary_index is not None else None
+        return dataclasses.replace(prompt, unlearned=lay_out(find, self._ingested))
+
+    def _ingested(self, chunk_id: str) -> bool:
+        """Whether the primary store holds a cache variant of `chunk_id`."""
+        return self.primary is not None and (self.primary.has(chunk_id, "fused")
+                                             or self.primary.has(chunk_id, "independent"))
+
+    def _keep_uncovered(self, prompt: FusionPrompt, contents: Sequence[str]) -> None:
+        """`pending` less the pieces the prompt does not hold as written clear of every chunk found in
+        it (a stored chunk is reused there: a piece that overlaps one is not learned, as the layout
+        would not have placed it there)."""
+        learnable = {cid for cid, _ in self.pending}
+        found = [seg.text for seg in prompt.segments if seg.text and seg.chunk_id not in learnable]
+        self.pending = [(cid, text) for cid, text in self.pending if _occurs_clear(text, contents, found)]
 
     def _learnable(self, engine: FusionEngine, contents: Sequence[str],
                    documents: Sequence[str]) -> tuple[dict[str, str], dict[str, str]]:
-        """(documents, spans) by content id: what the prompt may learn (nothing, if learning is off)."""
+        """(documents, spans) by content id that have a cache here, for the layout to place; the
+        learnable ones without a cache go to `pending` (nothing, if learning is off).
+
+        NOTE: a piece without a cache is never cut out of its text: tokenized on its own, it would
+        make a request that reuses nothing read other tokens than a plain prefill of its prompt."""
         docs: dict[str, str] = {}
         cut: dict[str, str] = {}
         self.retrieved = sum(1 for text in documents if text.strip())
@@ -111,7 +160,11 @@ class ReuseSources(KVStore):
             # does the text alone say it.
             for span in () if docs else conversation_spans(contents):
                 cut.setdefault(content_id(span, engine.fingerprint), span)
-        return docs, cut
+        self.pending = [(cid, text) for cid, text in {**docs, **cut}.items() if not self.has_cache(cid)]
+        missing = {cid for cid, _ in self.pending}
+        # NOTE: every document goes to the layout (stored chunks are found inside its text, a mark
+        # without a cache falls back to it); one without a cache is never cut out of plain text there.
+        return docs, {cid: t for cid, t in cut.items() if cid not in missing}
 
     def has_cache(self, chunk_id: str) -> bool:
         """Whether any cache variant of `chunk_id` is stored here (ingested or learned)."""
@@ -177,6 +230,24 @@ class ReuseSources(KVStore):
         """Nothing to release: the parts belong to their owners."""
 
 
+def _occurs_clear(piece: str, contents: Sequence[str], found: Sequence[str]) -> bool:
+    """Whether `piece` occurs in one of `contents` where it overlaps no occurrence of a `found` text."""
+    for content in contents:
+        taken = [(at, at + len(f)) for f in found for at in _occurrences(content, f)]
+        if any(all(at + len(piece) <= start or at >= end for start, end in taken)
+               for at in _occurrences(content, piece)):
+            return True
+    return False
+
+
+def _occurrences(text: str, piece: str) -> Iterator[int]:
+    """Where `piece` (non-empty) starts in `text`, each non-overlapping occurrence."""
+    at = text.find(piece) if piece else -1
+    while at >= 0:
+        yield at
+        at = text.find(piece, at + len(piece))
+
+
 def check_store_model(engine: FusionEngine, store: KVStore) -> None:
     """Refuse a KV store whose caches another model computed: not one of them could be reused.
 
@@ -195,10 +266,10 @@ def check_store_model(engine: FusionEngine, store: KVStore) -> None:
 
 
 def learned_ids(prompt: FusionPrompt, generation: Generation, sources: ReuseSources) -> list[str]:
-    """Chunks of `prompt` whose K/V this request kept as their learned cache."""
+    """Content ids this request learns (or learned) caches for: its learnable pieces that had none."""
     if not sources.learning:
         return []
-    return [s.chunk_id for s in prompt.segments if s.learn and s.chunk_id and s.chunk_id in generation.cache_misses]
+    return [cid for cid, _ in sources.pending]
 
 
 class ReuseMonitor:

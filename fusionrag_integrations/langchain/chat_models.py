@@ -203,9 +203,10 @@ class ChatFusionRAG(FusionRAGModelFields, BaseChatModel):
                 run_manager: CallbackManagerForLLMRun | None, kwargs: dict[str, Any]) -> Iterator[_Event]:
         """The request's text pieces, its tool calls as each completes, then its Generation."""
         documents = kwargs.pop("documents", None)
+        scope = self.call_scope(kwargs)
         options = self.request_options(kwargs, stop=stop)
         session = self.reuse_session()
-        sources = session.sources(options)
+        sources = session.sources(options, scope)
         # NOTE: LangChain's stream/astream (and streaming invoke) pass no run manager; None then finds
         # the trace through the step calling this model (`observe.retrieved_texts`).
         run_id = run_manager.run_id if run_manager is not None else None

@@ -82,9 +82,10 @@ class FusionRAGLLM(FusionRAGModelFields, LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
+        scope = self.call_scope(kwargs)
         options = self.request_options(kwargs, stop=stop)
         session = self.reuse_session()
-        sources = session.sources(options)
+        sources = session.sources(options, scope)
         run_id = run_manager.run_id if run_manager is not None else None
         request = self.reuse_prompt(to_chat_dicts([HumanMessage(content=prompt)]), run_id, sources)
         for piece in session.run(request, options, sources):

@@ -234,8 +234,9 @@ class FusionRAGLLM(OptionFields, ReuseFields, FunctionCallingLLM):
         """Text pieces, then the Generation; the `retrieved` node texts are learnable. With tools
         (`overrides`' `tools`, `tool_choice`, `parallel_tool_calls`), each call is parsed out of
         the text as it completes (a ToolCall, or an InvalidToolCall: never an exception)."""
+        scope = self.call_scope(overrides)
         options = self.request_options(overrides)
-        pieces = self.reuse_session().answer(messages, options, retrieved)
+        pieces = self.reuse_session().answer(messages, options, retrieved, scope)
         if options.tools is None:
             return pieces
         return split_calls(pieces, self.engine.tool_format, options.tools)

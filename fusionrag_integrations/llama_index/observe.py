@@ -39,7 +39,7 @@ from fusionrag_integrations.llama_index.calls import recording
 
 _SUMMED = ("prompt_tokens", "completion_tokens", "reused_tokens", "recomputed_tokens", "prefilled_tokens",
            "prefix_cached_tokens", "system_prefix_tokens", "kept_prefix_tokens", "context_tokens", "kv_bytes_loaded",
-           "cache_misses", "fused_chunks",
+           "exact_cached_tokens", "approximate_cached_tokens", "cache_misses", "fused_chunks",
            "independent_chunks", "chunks_without_drift", "exact_tokens", "healed_tokens", "approximate_tokens",
            "total_s")
 _MAX_DEPTH = 256
@@ -205,7 +205,7 @@ def combined(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for key in _SUMMED:
         if all(key in c for c in calls):
             out[key] = sum(c[key] for c in calls)
-    for key in ("cache_miss_reasons", "chunk_found_by"):
+    for key in ("cache_miss_reasons", "chunk_found_by", "chunk_reused_from"):
         out[key] = {k: v for c in calls for k, v in dict(c.get(key, {})).items()}
     not_computed = out["reused_tokens"] + out.get("prefix_cached_tokens", 0)
     out["reuse_ratio"] = not_computed / out["prompt_tokens"] if out.get("prompt_tokens") else 0.0

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import math
@@ -49,6 +48,7 @@ from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.tools import InvalidToolCall, ToolCall, asplit_calls
 from fusionrag_core.query.unicode import not_unicode_at
 from fusionrag_core.reuse.sources import ReuseSources
+from fusionrag_core.scope import Scope as CacheScope
 from fusionrag_integrations.fields import bound_tools
 from fusionrag_integrations.logprobs import chat_logprobs, completion_logprobs
 from fusionrag_integrations.openai_server.config import ServerConfig
@@ -67,6 +67,7 @@ from fusionrag_integrations.openai_server.protocol import (
 )
 from fusionrag_integrations.openai_server.responses import ResponseOutput, add_response_routes
 from fusionrag_integrations.openai_server.store_routes import add_store_routes
+from fusionrag_integrations.openai_server.tenants import TenantKeys
 from fusionrag_integrations.openai_server.tokenize import detokenize_route, tokenize_route
 from fusionrag_integrations.openai_server.vector_stores import VectorStores
 from fusionrag_integrations.request import RequestOptions
@@ -99,7 +100,7 @@ def create_app(session: ReuseSession, config: ServerConfig | None = None,
     app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/completions", server.completion, methods=["POST"], dependencies=auth)
-    add_response_routes(app, server, auth, vector_stores, lambda output: _ResponseStream(server, output))
+    add_response_routes(app, server, auth, vector_stores, lambda output, scope: _ResponseStream(server, output, scope))
     add_store_routes(app, auth, vector_stores)
     app.add_api_route("/v1/embeddings", embeddings_route(), methods=["POST"], dependencies=auth)
     app.add_api_route("/tokenize", tokenize_route(session), methods=["POST"], dependencies=auth)
@@ -125,6 +126,7 @@ class _Server:
         self.config = config
         self.name = session.engine.name
         self.metrics_ = Metrics(session.engine.stats)
+        self.keys = TenantKeys(config.api_key, config.api_key_file)
 
     # ---- small routes --------------------------------------------------------------------------------
     async def health(self) -> dict[str, str]:
@@ -140,15 +142,19 @@ class _Server:
         return {"object": "list", "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "fusionrag"}]}
 
     async def authorize(self, request: Request) -> None:
-        """Require `Authorization: Bearer <api_key>` when a key is set (compared in constant time)."""
-        if self.config.api_key is None:
+        """Require `Authorization: Bearer <key>` when keys are set (compared in constant time); the
+        key's tenant (`tenants.TenantKeys`) is the request's (`request.state.tenant`)."""
+        request.state.tenant = ""
+        if not self.keys.required:
             return
         scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
         if scheme.lower() != "bearer":
             given = ""  # NOTE: the key alone, or under another scheme, is no bearer credential
-        if not hmac.compare_digest(given.strip().encode(), self.config.api_key.encode()):
+        tenant = await anyio.to_thread.run_sync(self.keys.tenant_of, given.strip())  # NOTE: may read the key file
+        if tenant is None:
             raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error",
                             "invalid_api_key")
+        request.state.tenant = tenant
 
     # ---- generation routes ----------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -162,7 +168,7 @@ class _Server:
         def prompt(sources: ReuseSources) -> FusionPrompt:
             return self.session.prompt(messages, sources, (), tools)
         stream = _Stream(self, "chat", Envelope("chatcmpl", self.name), body.stream_options is not None
-                         and body.stream_options.include_usage)
+                         and body.stream_options.include_usage, _scope(request, body))
         return await stream.respond(request, options, prompt, body.stream, body.n)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
@@ -173,7 +179,7 @@ class _Server:
         def prompt(sources: ReuseSources) -> FusionPrompt:
             return self.session.prompt_from_text(text, sources)
         stream = _Stream(self, "completion", Envelope("cmpl", self.name), body.stream_options is not None
-                         and body.stream_options.include_usage)
+                         and body.stream_options.include_usage, _scope(request, body))
         return await stream.respond(request, options, prompt, body.stream, body.n)
 
     def _values(self, body: _Body) -> dict[str, Any]:
@@ -214,8 +220,10 @@ class _Stream:
     (the request's slots and generations, released once).
     """
 
-    def __init__(self, server: _Server, endpoint: str, envelope: Envelope, include_usage: bool) -> None:
+    def __init__(self, server: _Server, endpoint: str, envelope: Envelope, include_usage: bool,
+                 scope: CacheScope) -> None:
         self.server, self.endpoint, self.envelope, self.include_usage = server, endpoint, envelope, include_usage
+        self.scope = scope
         self.exits = AsyncExitStack()
         self.choices: list[_Choice] = []
         self.generations: dict[int, Generation] = {}  # NOTE: by choice index, as each choice finishes
@@ -246,8 +254,8 @@ class _Stream:
         return request_prompt, sources
 
     def _sources(self, options: RequestOptions) -> ReuseSources:
-        """Where the request reads caches: the session's KV store, then its learned caches."""
-        return self.server.session.sources(options)
+        """Where the request reads caches: the session's KV store, then its scope's learned caches."""
+        return self.server.session.sources(options, self.scope)
 
     def _start(self, options: RequestOptions, built: tuple[FusionPrompt, ReuseSources],
                n: int) -> list[AsyncGenerator[Piece, None]]:
@@ -467,8 +475,8 @@ class _ResponseStream(_Stream):
     with `responses.ResponseOutput`'s sources (a vector store's) and output (items, or events). A
     response has one choice, and may run several passes (a search the model called, then the answer)."""
 
-    def __init__(self, server: _Server, output: ResponseOutput) -> None:
-        super().__init__(server, "responses", Envelope("resp", server.name), False)
+    def __init__(self, server: _Server, output: ResponseOutput, scope: CacheScope) -> None:
+        super().__init__(server, "responses", Envelope("resp", server.name), False, scope)
         self.output = output
 
     def _sources(self, options: RequestOptions) -> ReuseSources:
@@ -504,6 +512,11 @@ class _ResponseStream(_Stream):
         """Metrics and the log line of one finished pass."""
         self.generations = {0: generation}
         self._finished()
+
+
+def _scope(request: Request, body: ChatCompletionRequest | CompletionRequest) -> CacheScope:
+    """The request's cache scope: its key's tenant and the `cache_salt` it sent (`tenants`)."""
+    return CacheScope(request.state.tenant, body.cache_salt or "")
 
 
 async def _disconnected(request: Request) -> None:

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+LEARN_MODES = ("off", "tenant", "shared")
+"""`fusionrag serve --learn`: no learned caches, one set per tenant (and cache_salt), or one for all."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's own options (the global ones, --db, --model, ..., are added by the CLI)."""
@@ -38,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=defaults.port, help=f"TCP port (default: {defaults.port})")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set, else none)")
+    parser.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help="accept the keys of FILE, one 'TENANT KEY' line each (read again when it changes); each "
+                             "tenant's requests reuse only caches its own requests filled")
+    parser.add_argument("--learn", choices=LEARN_MODES, default="tenant",
+                        help="learn caches of the documents and spans requests send: 'tenant' (default) keeps them per "
+                             "tenant and cache_salt, 'shared' lets every tenant hit every other's (and see that it "
+                             "did), 'off' learns nothing")
     limits = SchedulerConfig()
     parser.add_argument("--max-running", type=positive_int, default=limits.max_running,
                         help=f"requests decoded at once, in one batched step (default: {limits.max_running})")
@@ -89,6 +99,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     """The command line as a ServerConfig; the API key from --api-key, else the environment; the
     global --selector and --ratio as every request's selection."""
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                        api_key_file=args.api_key_file,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         selector=getattr(args, "selector", None), ratio=getattr(args, "ratio", None),
                         header_read_timeout_s=args.header_timeout, body_read_timeout_s=args.body_timeout,
@@ -120,7 +131,7 @@ def healing(args: argparse.Namespace, engine: FusionEngine) -> FusionEngine:
 
 def session_for(args: argparse.Namespace, engine: FusionEngine) -> ReuseSession:
     """The session the server answers with: the --db corpus's KV store (when there is one) and
-    learned caches under --db."""
+    learned caches under --db, per tenant unless `--learn shared` (none with `--learn off`)."""
     store: KVStore | None = None
     if args.chroma_url is not None or chroma_dir(args.db).is_dir():
         store = open_index(args, engine).store
@@ -130,7 +141,12 @@ def session_for(args: argparse.Namespace, engine: FusionEngine) -> ReuseSession:
     else:
         logger.warning("no corpus in %s: serving without ingested caches (learned caches only); run "
                        "`fusionrag ingest` to add one", args.db)
-    return ReuseSession(engine, store, ReuseConfig(data_dir=args.db))
+    return ReuseSession(engine, store, reuse_config(args))
+
+
+def reuse_config(args: argparse.Namespace) -> ReuseConfig:
+    """--learn and --db as the session's learning settings."""
+    return ReuseConfig(data_dir=args.db, learn=args.learn != "off", share_learned=args.learn == "shared")
 
 
 def replica_spec(args: argparse.Namespace, engine: Callable[[], FusionEngine], config: ServerConfig) -> ReplicaSpec:
@@ -153,7 +169,8 @@ def replica_spec(args: argparse.Namespace, engine: Callable[[], FusionEngine], c
     # NOTE: absolute: replicas run in other working directories (and on other machines).
     return ReplicaSpec(engine_factory=engine, data_dir=str(Path(args.db).expanduser().resolve()),
                        chroma_url=args.chroma_url, redis_url=args.redis_url, collection=args.collection,
-                       server=config, limits=scheduler_limits(args), tiers=cache_tiers(args))
+                       server=config, limits=scheduler_limits(args), tiers=cache_tiers(args),
+                       reuse=reuse_config(args))
 
 
 def ray_options(args: argparse.Namespace) -> RayServeOptions | None:
@@ -270,5 +287,5 @@ COMMAND = Command(
     run=run,
 )
 
-__all__ = ["COMMAND", "add_arguments", "ray_options", "replica_spec", "run", "scheduler_limits", "serve_until_stopped",
-           "server_config", "session_for", "vector_stores_for"]
+__all__ = ["COMMAND", "LEARN_MODES", "add_arguments", "ray_options", "replica_spec", "reuse_config", "run",
+           "scheduler_limits", "serve_until_stopped", "server_config", "session_for", "vector_stores_for"]

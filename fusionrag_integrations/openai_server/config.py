@@ -23,7 +23,10 @@ class ServerConfig:
     Attributes:
         host: address to bind; loopback unless told otherwise.
         port: TCP port.
-        api_key: None: no authentication; else every /v1 request needs `Authorization: Bearer <key>`.
+        api_key: None: no authentication (unless `api_key_file`); else every /v1 request needs
+            `Authorization: Bearer <key>`, and its callers are one tenant (the operator's scope).
+        api_key_file: a file of `TENANT KEY` lines, read again when it changes (`tenants.TenantKeys`):
+            each key's requests hit only caches of their own tenant.
         max_body_bytes: largest request body; larger ones are answered 413.
         header_read_timeout_s: seconds a connection has, from its start or its previous answer,
             to send a request's whole headers; a slower one is closed (uvicorn runs no timer there).
@@ -45,6 +48,7 @@ class ServerConfig:
     host: str = LOOPBACK
     port: int = 8000
     api_key: str | None = None
+    api_key_file: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     header_read_timeout_s: float = 30.0
     body_read_timeout_s: float = 30.0

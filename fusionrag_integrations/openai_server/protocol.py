@@ -73,6 +73,8 @@ class _Request(BaseModel):
         if value is not None and value < -1:
             raise ValueError(f"must be -1 or 0 (all tokens) or a positive number of tokens, got {value}")
         return value
+    cache_salt: str | None = None
+    """vLLM's field: requests share caches only with requests of the same tenant and salt."""
 
     @field_validator(*_RANGES)
     @classmethod

@@ -27,6 +27,7 @@ when `deploy` runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -71,7 +72,7 @@ class ReplicaSpec:
         collection: the corpus's collection.
         server: the routes' limits and API key; `host:port` is where Serve's proxy listens.
         limits: each replica's scheduler limits (`max_running`, `max_waiting`): its one admission point.
-        learn: whether replicas learn caches from their requests.
+        reuse: each replica's learning settings (`--learn`); its data directory is `data_dir`'s.
         tiers: each replica's device and host LRU of decoded caches in front of the shared store
             (None: none), so a hot chunk is read from it once per replica; hits per tier in `/metrics`.
 
@@ -86,7 +87,7 @@ class ReplicaSpec:
     collection: str = DEFAULT_COLLECTION
     server: ServerConfig = field(default_factory=ServerConfig)
     limits: SchedulerConfig = field(default_factory=SchedulerConfig)
-    learn: bool = True
+    reuse: ReuseConfig = field(default_factory=ReuseConfig)
     tiers: TierConfig | None = None
 
     def __post_init__(self) -> None:
@@ -144,7 +145,7 @@ class Replica:
         engine = spec.engine_factory().with_limits(spec.limits)
         self.index = _open_corpus(spec, engine)
         store = self.index.store if self.index is not None else None
-        self.session = ReuseSession(engine, store, ReuseConfig(data_dir=spec.data_dir, learn=spec.learn))
+        self.session = ReuseSession(engine, store, dataclasses.replace(spec.reuse, data_dir=spec.data_dir))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         from ray import serve

@@ -40,6 +40,7 @@ from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.tools import InvalidToolCall, ToolCall, ToolRequest
 from fusionrag_core.recognise.marks import mark_chunk
 from fusionrag_core.reuse.sources import ReuseSources
+from fusionrag_core.scope import Scope
 from fusionrag_integrations.fields import bound_tools
 from fusionrag_integrations.openai_server.errors import HTTPError
 from fusionrag_integrations.openai_server.files import NoSuchObjectError
@@ -117,38 +118,40 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Stored responses by id, most recently used last; thread-safe and bounded."""
+    """Stored responses by tenant and id, most recently used last; thread-safe and bounded. A tenant
+    never reads, continues or deletes another's (its id is unknown to it: 404)."""
 
     def __init__(self, capacity: int = STORED_RESPONSES) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, response_id: str, stored: StoredResponse) -> None:
+    def put(self, tenant: str, response_id: str, stored: StoredResponse) -> None:
         with self._lock:
-            self._items[response_id] = stored
+            self._items[tenant, response_id] = stored
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
 
-    def get(self, response_id: str) -> StoredResponse:
-        """Raises NoSuchObjectError: no such response (never stored, deleted, or evicted)."""
+    def get(self, tenant: str, response_id: str) -> StoredResponse:
+        """Raises NoSuchObjectError: no such response of `tenant` (never stored, deleted, or evicted)."""
         with self._lock:
-            stored = self._items.get(response_id)
+            stored = self._items.get((tenant, response_id))
             if stored is None:
                 raise NoSuchObjectError(f"No response with id {response_id!r} found (responses are kept in memory: "
                                         f"the {self.capacity} most recent with store=true)")
-            self._items.move_to_end(response_id)
+            self._items.move_to_end((tenant, response_id))
             return stored
 
-    def delete(self, response_id: str) -> None:
+    def delete(self, tenant: str, response_id: str) -> None:
         with self._lock:
-            if self._items.pop(response_id, None) is None:
+            if self._items.pop((tenant, response_id), None) is None:
                 raise NoSuchObjectError(f"No response with id {response_id!r} found")
 
 
 def add_response_routes(app: FastAPI, server: Server, auth: list[Any], vector_stores: VectorStores | None,
-                        stream: Callable[[ResponseOutput], PassStream]) -> None:
-    """Register the Responses API's routes on `app`; `stream` runs a response's passes on the chat path."""
+                        stream: Callable[[ResponseOutput, Scope], PassStream]) -> None:
+    """Register the Responses API's routes on `app`; `stream` runs a response's passes on the chat path,
+    in the cache scope of the request's tenant (`request.state.tenant`, set by the server's authorization)."""
     routes = _Responses(server, vector_stores, stream)
     app.add_api_route("/v1/responses", routes.create, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/responses/{response_id}", routes.retrieve, methods=["GET"], dependencies=auth)
@@ -159,7 +162,7 @@ class _Responses:
     """The routes' shared state: the server, its vector stores, the stored responses."""
 
     def __init__(self, server: Server, vector_stores: VectorStores | None,
-                 stream: Callable[[ResponseOutput], PassStream]) -> None:
+                 stream: Callable[[ResponseOutput, Scope], PassStream]) -> None:
         self.server, self.vector_stores, self.stream = server, vector_stores, stream
         self.stored = ResponseStore()
 
@@ -167,7 +170,8 @@ class _Responses:
         self.server._check(body)
         functions, search = body.split_tools()
         choice, forced = body.chat_tool_choice()
-        previous = self._previous(body.previous_response_id)
+        tenant: str = request.state.tenant
+        previous = self._previous(tenant, body.previous_response_id)
         turn = _Turn(body, self._vector_store(search, previous), search, functions, self.vector_stores)
         turn.messages = [*([{"role": "system", "content": body.instructions}] if body.instructions else []),
                          *(previous.conversation if previous else []), *body.input_messages()]
@@ -181,27 +185,27 @@ class _Responses:
             choice if offered else None), "parallel_tool_calls": body.parallel_tool_calls if offered else None})
         options = RequestOptions.from_values(self.server._values(body), response_format=body.response_format(),
                                              tools=tools)
-        stream = self.stream(ResponseOutput(self, turn))
+        stream = self.stream(ResponseOutput(self, turn, tenant), Scope(tenant))
         return await stream.respond(request, options, turn.prompt_fn(self.server, tools), body.stream)
 
-    async def retrieve(self, response_id: str) -> dict[str, Any]:
-        return self._stored(response_id, None).response
+    async def retrieve(self, response_id: str, request: Request) -> dict[str, Any]:
+        return self._stored(request.state.tenant, response_id, None).response
 
-    async def delete(self, response_id: str) -> dict[str, Any]:
+    async def delete(self, response_id: str, request: Request) -> dict[str, Any]:
         try:
-            self.stored.delete(response_id)
+            self.stored.delete(request.state.tenant, response_id)
         except NoSuchObjectError as e:
             raise HTTPError(404, e.message, code="not_found") from None
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
-    def _stored(self, response_id: str, param: str | None) -> StoredResponse:
+    def _stored(self, tenant: str, response_id: str, param: str | None) -> StoredResponse:
         try:
-            return self.stored.get(response_id)
+            return self.stored.get(tenant, response_id)
         except NoSuchObjectError as e:
             raise HTTPError(404, e.message, code="not_found", param=param) from None
 
-    def _previous(self, response_id: str | None) -> StoredResponse | None:
-        return None if response_id is None else self._stored(response_id, "previous_response_id")
+    def _previous(self, tenant: str, response_id: str | None) -> StoredResponse | None:
+        return None if response_id is None else self._stored(tenant, response_id, "previous_response_id")
 
     def _conversation_store(self, previous: StoredResponse | None) -> str | None:
         """The vector store a continued conversation's passages came from, if it still exists."""
@@ -287,8 +291,8 @@ class ResponseOutput:
     semantic events, through every pass (a second one when the model calls file_search), and the
     caches its prompt reads. Per request, never shared."""
 
-    def __init__(self, routes: _Responses, turn: _Turn) -> None:
-        self.routes, self.turn, self.server = routes, turn, routes.server
+    def __init__(self, routes: _Responses, turn: _Turn, tenant: str) -> None:
+        self.routes, self.turn, self.server, self.tenant = routes, turn, routes.server, tenant
         self.response_id, self.created = new_id("resp"), now()
         self.sequence = 0
         self.usage: dict[str, Any] = {}
@@ -302,7 +306,8 @@ class ResponseOutput:
         if vs_id is None or stores is None:
             return None
         session = self.server.session
-        return ReuseSources(stores.index(vs_id).store, session.learned(),
+        scope = Scope(self.tenant)
+        return ReuseSources(stores.index(vs_id).store, session.learned(scope=scope), scope=scope,
                             learning=session.config.learn and not options.full_attention)
 
     # ---- output --------------------------------------------------------------------------------------------
@@ -439,7 +444,8 @@ class ResponseOutput:
         if calls:
             answer["tool_calls"] = [c.openai() for c in calls]
         conversation = [*self.turn.messages[self.turn.instructions:], answer]
-        self.routes.stored.put(self.response_id, StoredResponse(response, conversation, self.turn.vector_store_id))
+        stored = StoredResponse(response, conversation, self.turn.vector_store_id)
+        self.routes.stored.put(self.tenant, self.response_id, stored)
 
     def _response(self, status: str, output: list[dict[str, Any]], incomplete: str | None = None) -> dict[str, Any]:
         return response_object(self.turn.body, self.response_id, self.created, self.server.name, status, list(output),
