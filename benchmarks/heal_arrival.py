@@ -60,11 +60,12 @@ def first_turn(engine: FusionEngine, c: serving.Conversation, store: KVStore, sa
 
 
 def reset(engine: FusionEngine) -> None:
-    """Nothing left to heal, nothing kept: the next trial starts as on a fresh engine."""
-    if engine.config.heal is not None:
-        assert engine.wait_for_heals(600.0), "healing did not finish in 10 minutes"
+    """Nothing kept, so nothing left to heal: the next trial starts as on a fresh engine (a piece in
+    flight ends unpublished; it runs before the next trial's arrival, which waits a first turn)."""
     assert engine.prefix_cache is not None
     engine.prefix_cache.clear()
+    if engine.config.heal is not None:
+        assert engine.wait_for_heals(60.0), "healing did not stop once the prefix cache was emptied"
 
 
 def heal_duration(healed: FusionEngine, c: serving.Conversation, store: KVStore, sampling: SamplingConfig) -> float:
