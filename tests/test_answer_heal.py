@@ -6,7 +6,8 @@ attention's continuation of the tokens generated so far: the logits of the first
 the healed K/V equal full attention's for the same prompt and answer prefix (float tolerance), and
 the greedy tokens after it equal full attention's. Without it (the control) they do not. The kept
 entry of a healed answer needs no healing afterwards; the engine counts the pieces; a request that
-asks for it on an engine that does not heal is refused with a clear error.
+asks for it on an engine that does not heal is refused with a clear error, as is `fusionrag serve
+--heal-answers` without `--heal`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from transformers import PreTrainedTokenizerBase
 import fusionrag_core.batching.phases as phases_module
 from fusionrag_core.batching.heal import HealConfig
 from fusionrag_core.batching.request import Request
+from fusionrag_core.cli import build_parser
 from fusionrag_core.engine import EngineConfig, FusionEngine, Generation
 from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
+from fusionrag_integrations.openai_server import command as serve_command
 from tests.test_heal import _fused, _kept, _llama, _turns
 
 PIECE = 16
@@ -97,3 +100,17 @@ def test_answer_healing_needs_an_engine_that_heals(smollm_tokenizer: PreTrainedT
     prompt, _ = _turns(engine, None)
     with pytest.raises(InvalidRequestError, match=r"EngineConfig\.heal"):
         fresh.stream(prompt, sampling=SAMPLING, heal_answer=True)
+
+
+def test_serve_heal_answers_sets_the_servers_default_and_needs_heal(smollm_tokenizer: PreTrainedTokenizerBase) -> None:
+    engine, _ = _engines(smollm_tokenizer, answers=False)
+    args = build_parser().parse_args(["serve", "--heal", "32", "--heal-answers"])
+    served = serve_command.healing(args, engine)
+    assert served.config.heal == HealConfig(piece_tokens=32, answers=True) and served.decoder is engine.decoder
+
+    def never_loaded() -> FusionEngine:
+        raise AssertionError("the model loaded before the options were checked")
+
+    alone = build_parser().parse_args(["serve", "--heal-answers"])
+    with pytest.raises(InvalidRequestError, match="--heal PIECE_TOKENS"):
+        serve_command.run(alone, never_loaded, ["serve", "--heal-answers"])
