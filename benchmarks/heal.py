@@ -139,6 +139,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--neighbours", type=int, default=10, help="n of the fused ingest")
     p.add_argument("--piece-tokens", type=int, default=HealConfig().piece_tokens, help="HealConfig.piece_tokens")
     p.add_argument("--pause-s", type=float, default=1.0, help="pause before the follow-ups, after the heal")
+    p.add_argument("--db", type=Path, default=None, help="keep the ingested corpus here (default: a temp dir)")
     p.add_argument("--model", default=None, help="default: the packaged SmolLM2-135M")
     p.add_argument("--device", default=None)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/heal"))
@@ -156,7 +157,7 @@ def main(argv: Sequence[str] | None = None, engine: FusionEngine | None = None,
     rows = load_rows(args.data, args.rows + 1)
     es = engines(base, args.piece_tokens)
     with tempfile.TemporaryDirectory(prefix="fusionrag-heal-") as tmp:
-        corpus = serving.build_corpus(base, rows, args, Path(tmp), embedding_function)
+        corpus = serving.build_corpus(base, rows, args, args.db or Path(tmp), embedding_function)
         try:
             conversations = [serving.Conversation(i, i, row.question, corpus.chunks[i], FOLLOWUP)
                              for i, row in enumerate(rows)]

@@ -233,15 +233,16 @@ class FusionEngine:
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompt: FusionPrompt, *, store: KVStore | None = None, sampling: SamplingConfig | None = None,
                  selector: str | None = None, ratio: float | None = None, caches: Mapping[str, ChunkKV] | None = None,
-                 variant: Variant | None = None, learn: LearnFn | None = None, scope: Scope = OPERATOR) -> Generation:
+                 variant: Variant | None = None, learn: LearnFn | None = None, scope: Scope = OPERATOR,
+                 heal_answer: bool | None = None) -> Generation:
         """Answer `prompt` and return the finished Generation; the arguments are `stream`'s."""
         return self.stream(prompt, store=store, sampling=sampling, selector=selector, ratio=ratio, caches=caches,
-                           variant=variant, learn=learn, scope=scope).collect()
+                           variant=variant, learn=learn, scope=scope, heal_answer=heal_answer).collect()
 
     def stream(self, prompt: FusionPrompt, *, store: KVStore | None = None, sampling: SamplingConfig | None = None,
                selector: str | None = None, ratio: float | None = None, caches: Mapping[str, ChunkKV] | None = None,
                variant: Variant | None = None, learn: LearnFn | None = None,
-               scope: Scope = OPERATOR) -> GenerationStream:
+               scope: Scope = OPERATOR, heal_answer: bool | None = None) -> GenerationStream:
         """Answer `prompt`, streaming text pieces. Nothing runs (and the TTFT clock does not start)
         until the stream is first read; the scheduler's limits are checked then.
 
@@ -258,18 +259,21 @@ class FusionEngine:
                 chunk had no usable cache (e.g. `reuse.learned.LearnedCaches.learn`).
             scope: whose request it is: it continues conversations and reuses memoised system
                 prefixes of this scope only (`fusionrag_core.scope`).
+            heal_answer: heal the request's K/V between its decode steps, so the rest of its answer
+                decodes over exact K/V (`batching.answer_heal`); None: `HealConfig.answers`.
 
         Raises:
             ContextLengthError: the prompt and `max_new_tokens` exceed the model's context window.
-            InvalidRequestError: an unknown selector or a bad ratio.
+            InvalidRequestError: an unknown selector or a bad ratio; heal_answer on an engine that
+                does not heal (`EngineConfig.heal`).
         """
-        request = self._request(prompt, sampling, selector, ratio, caches, variant, store, learn, scope)
+        request = self._request(prompt, sampling, selector, ratio, caches, variant, store, learn, scope, heal_answer)
         return GenerationStream(self._pieces(request))
 
     def astream(self, prompt: FusionPrompt, *, store: KVStore | None = None, sampling: SamplingConfig | None = None,
                 selector: str | None = None, ratio: float | None = None, caches: Mapping[str, ChunkKV] | None = None,
                 variant: Variant | None = None, learn: LearnFn | None = None,
-                scope: Scope = OPERATOR) -> AsyncGenerationStream:
+                scope: Scope = OPERATOR, heal_answer: bool | None = None) -> AsyncGenerationStream:
         """`stream` for asyncio: `async for` the pieces. With the scheduler, the engine's loop thread
         runs the model and each piece reaches the event loop as it is decoded (no thread hop per
         piece); without one, the request runs alone on a worker thread.
@@ -278,14 +282,15 @@ class FusionEngine:
             OverloadedError: when first read, the scheduler refused it (its message names the limit).
             ContextLengthError, InvalidRequestError: as `stream`.
         """
-        request = self._request(prompt, sampling, selector, ratio, caches, variant, store, learn, scope)
+        request = self._request(prompt, sampling, selector, ratio, caches, variant, store, learn, scope, heal_answer)
         return self._async_stream(request)
 
     def astream_choices(self, prompt: FusionPrompt, n: int, *, store: KVStore | None = None,
                         sampling: SamplingConfig | None = None, selector: str | None = None,
                         ratio: float | None = None, caches: Mapping[str, ChunkKV] | None = None,
                         variant: Variant | None = None, learn: LearnFn | None = None,
-                        full_attention: bool = False, scope: Scope = OPERATOR) -> list[AsyncGenerationStream]:
+                        full_attention: bool = False, scope: Scope = OPERATOR,
+                        heal_answer: bool | None = None) -> list[AsyncGenerationStream]:
         """`n` answers of one prompt (an OpenAI request's `n` choices), for asyncio: the prompt is
         stitched, selected and recomputed once, and each choice decodes a copy of it with its own
         sampling (choice i's seed is `seed + i`, as vLLM's, so it equals a request of that seed).
@@ -293,7 +298,8 @@ class FusionEngine:
         all). Only the first choice is kept in the prefix cache and learned from.
 
         Args:
-            prompt, store, sampling, selector, ratio, caches, variant, learn, scope: as `stream`.
+            prompt, store, sampling, selector, ratio, caches, variant, learn, scope, heal_answer: as
+                `stream` (each choice heals its own answer).
             n: how many choices (the scheduler's `max_running` at most).
             full_attention: answer with a plain prefill instead (`full_attention`).
 
@@ -307,7 +313,7 @@ class FusionEngine:
             raise InvalidRequestError("n > 1 needs the engine's scheduler (EngineConfig.scheduler): without it, "
                                       "requests run alone and cannot share a prepared prompt")
         parent = (self._plain_request(prompt, sampling, scope) if full_attention else
-                  self._request(prompt, sampling, selector, ratio, caches, variant, store, learn, scope))
+                  self._request(prompt, sampling, selector, ratio, caches, variant, store, learn, scope, heal_answer))
         parent.forks = tuple(self._fork(parent, i) for i in range(1, n))
         loop = asyncio.get_running_loop()
         for request in (parent, *parent.forks):
@@ -321,7 +327,7 @@ class FusionEngine:
             seed = seed + index if seed + index <= SEED_RANGE[1] else seed + index - 2**64
         return Request(parent.prompt, dataclasses.replace(parent.sampling, seed=seed), parent.selection, parent.lookup,
                        parent.kv_bytes, full_attention=parent.full_attention, in_memory=parent.in_memory,
-                       eos_ids=self.eos_ids, forked=True, scope=parent.scope)
+                       eos_ids=self.eos_ids, forked=True, scope=parent.scope, heal_answer=parent.heal_answer)
 
     def full_attention(self, prompt: FusionPrompt, *, sampling: SamplingConfig | None = None,
                        scope: Scope = OPERATOR) -> GenerationStream:
@@ -346,15 +352,33 @@ class FusionEngine:
 
     def _request(self, prompt: FusionPrompt, sampling: SamplingConfig | None, selector: str | None,
                  ratio: float | None, caches: Mapping[str, ChunkKV] | None, variant: Variant | None,
-                 store: KVStore | None, learn: LearnFn | None, scope: Scope) -> Request:
+                 store: KVStore | None, learn: LearnFn | None, scope: Scope,
+                 heal_answer: bool | None = None) -> Request:
         """A new request for `stream`'s arguments, its defaults from the engine's configuration."""
+        heals_answer = self._heals_answer(heal_answer)
         select_config = self.config.select if ratio is None else dataclasses.replace(self.config.select, ratio=ratio)
         name = selector or self.config.selector
         exact_first = self.config.exact_first_chunk and torch.equal(prompt.prefix.cpu(), self._shared.canonical_prefix)
         lookup = ChunkLookup(self.model_kv, caches=caches, store=store, variant=variant or self.config.cache_variant,
                              exact_first=exact_first, bad_blobs=self._bad_blobs)
-        return self._new_request(prompt, sampling, Selection(name, get_selector(name), select_config), lookup,
-                                 in_memory=caches or (), learn=learn, audit=self.auditor.should_audit(), scope=scope)
+        request = self._new_request(prompt, sampling, Selection(name, get_selector(name), select_config), lookup,
+                                    in_memory=caches or (), learn=learn, audit=self.auditor.should_audit(), scope=scope)
+        request.heal_answer = heals_answer
+        return request
+
+    def _heals_answer(self, heal_answer: bool | None) -> bool:
+        """Whether a request heals its answer in flight: asked, else `HealConfig.answers`.
+
+        Raises:
+            InvalidRequestError: asked on an engine that does not heal.
+        """
+        heal = self.config.heal
+        if heal is None:
+            if heal_answer:
+                raise InvalidRequestError("heal_answer needs an engine that heals (EngineConfig.heal, e.g. "
+                                          "HealConfig(answers=True) to heal every answer): set it, or drop heal_answer")
+            return False
+        return heal.answers if heal_answer is None else heal_answer
 
     def _new_request(self, prompt: FusionPrompt, sampling: SamplingConfig | None, selection: Selection,
                      lookup: CacheLookup, *, full_attention: bool = False, in_memory: Container[str] = (),

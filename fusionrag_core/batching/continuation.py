@@ -195,9 +195,10 @@ def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], finge
         fingerprint: the model's.
         kept_runs: the runs of the kept prefix it continued (they stay valid: verified at its start).
         exact_base: how many leading slots held exact K/V before its passes ran (the prefix, an exact
-            first chunk, a continued entry's exact head).
+            first chunk, a continued entry's exact head, or its own answer healing's).
         selection: its selector and ratio.
-        healed: `[n]` bool: which tokens of the kept head it continued healing made exact (None: none).
+        healed: `[n]` bool: which tokens healing made exact (of the kept head it continued, or its
+            own answer healing's; None: none).
         scope: its request's (only requests of that scope continue the entry).
     """
     T = st.buf.length
@@ -217,6 +218,9 @@ def kept_from(st: Stitched, selected: torch.Tensor, answer_ids: list[int], finge
         if source is not None:
             runs.append(ReusedRun(int(slots[0]), int(slots[-1]) + 1, *source))
     exact = exact_head(st, selected, exact_base)
+    # NOTE: the exact head may hold reused slots healing made exact (`batching.answer_heal`)
+    inexact[:exact] = False
+    drift[:exact] = 0.0
     fed = T - int(st.slot_tokens.shape[0])
     assert 0 <= fed <= len(answer_ids), f"{fed} slots after the prompt, {len(answer_ids)} answer tokens"
     token_ids = torch.cat([st.slot_tokens.cpu(), torch.tensor(answer_ids[:fed], dtype=torch.int64)])  # [T]

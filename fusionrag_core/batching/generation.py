@@ -73,6 +73,9 @@ class Generation:
             exact (`EngineConfig.heal`).
         approximate_tokens: the rest of the prompt (reused K/V, and every token computed after
             one): `exact_tokens + healed_tokens + approximate_tokens == prompt_tokens`.
+        answer_healed_at: with answer healing (`HealConfig.answers`), the index of the first answer
+            token decoded over exact K/V (the tokens from it on are full attention's continuation of
+            those before it); None when the answer was not healed in flight.
     """
 
     text: str
@@ -104,6 +107,7 @@ class Generation:
     exact_tokens: int = 0
     healed_tokens: int = 0
     approximate_tokens: int = 0
+    answer_healed_at: int | None = None
 
     @property
     def continued_healed_cache(self) -> bool:
@@ -169,6 +173,7 @@ class Generation:
             "healed_tokens": self.healed_tokens,
             "approximate_tokens": self.approximate_tokens,
             "continued_healed_cache": self.continued_healed_cache,
+            "answer_healed_at": self.answer_healed_at,
             **{f"kv_{k}": v for k, v in self.kv_tiers.items()},
             "audit_kl_first_token": self.audit.kl_first_token if self.audit else None,
             "audit_first_token_agree": self.audit.first_token_agree if self.audit else None,
@@ -277,6 +282,7 @@ def generation_of(request: Request, *, kv_tiers: dict[str, int], cache_fallbacks
         healed_tokens=healed,
         approximate_tokens=prompt.num_tokens - exact,
         reused_from=reused_from(request, origins or {}),
+        answer_healed_at=request.answer_heal.healed_at_token if request.answer_heal is not None else None,
     )
 
 

@@ -45,9 +45,14 @@ class HealConfig:
     Attributes:
         piece_tokens: tokens recomputed per piece: the longest a request arriving mid-heal waits
             is one piece's pass (one chunk prefill of this many tokens over the kept K/V).
+        answers: also heal each request's answer in flight (`batching.answer_heal`): a piece of its
+            own buffer between its decode steps, so the rest of its answer decodes over exact K/V;
+            a request's `heal_answer` overrides it. Each piece delays the running requests' next
+            token by one piece's pass.
     """
 
     piece_tokens: int = 64
+    answers: bool = False
 
     def __post_init__(self) -> None:
         if self.piece_tokens < 1:
@@ -106,6 +111,8 @@ class Healer:
         self._unfinished = False  # NOTE: the last piece left its entry partly healed
         self.heals = self.pieces = self.healed_tokens = self.preempted = self.failures = 0
         self.seconds = 0.0
+        self.answer_heals = self.answer_pieces = self.answer_tokens = self.answer_failures = 0
+        self.answer_seconds = 0.0
 
     def pending(self, cache: PrefixCache) -> bool:
         """Whether a device-tier entry of `cache` still has tokens to heal."""
@@ -148,6 +155,16 @@ class Healer:
             self.preempted += int(self._unfinished)
             self._unfinished = False
 
+    def record_answer_piece(self, tokens: int, seconds: float, *, caught_up: bool, failed: bool = False) -> None:
+        """Count a piece of an answer's healing (`batching.answer_heal`): the slots it made exact, its
+        time, whether the answer's K/V are exact now, whether it failed (the answer stays approximate)."""
+        with self._lock:
+            self.answer_pieces += int(not failed)
+            self.answer_failures += int(failed)
+            self.answer_tokens += tokens
+            self.answer_seconds += seconds
+            self.answer_heals += int(caught_up)
+
     def wait(self, cache: PrefixCache, timeout_s: float | None) -> bool:
         """Block until no entry of `cache` has tokens to heal (or `timeout_s` passed); returns whether
         none has."""
@@ -164,11 +181,14 @@ class Healer:
 
     def stats(self) -> dict[str, int]:
         """Lifetime totals: entries healed whole, pieces run, tokens healed, preemptions (a request
-        arrived with an entry partly healed), failed pieces, and the time pieces took (ms)."""
+        arrived with an entry partly healed), failed pieces, and the time pieces took (ms); the same
+        for answers healed in flight (`answer_heal*`: answers whose K/V caught up)."""
         with self._lock:
             return {"heals": self.heals, "heal_pieces": self.pieces, "healed_tokens": self.healed_tokens,
                     "heal_preempted": self.preempted, "heal_failures": self.failures,
-                    "heal_ms": round(self.seconds * 1000)}
+                    "heal_ms": round(self.seconds * 1000), "answer_heals": self.answer_heals,
+                    "answer_heal_pieces": self.answer_pieces, "answer_healed_tokens": self.answer_tokens,
+                    "answer_heal_failures": self.answer_failures, "answer_heal_ms": round(self.answer_seconds * 1000)}
 
     def _next(self, cache: PrefixCache) -> KeptPrefix | None:
         return cache.most_recent(lambda kept: needs_healing(kept) and not self._has_failed(kept))

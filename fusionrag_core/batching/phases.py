@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from fusionrag_core.batching.answer_heal import AnswerHeal
 from fusionrag_core.batching.continuation import (
     continued_head,
+    exact_head,
     head_cache,
     kept_from,
     kept_layout,
@@ -224,6 +226,10 @@ def start_decoding(request: Request, shared: Shared) -> None:
                                 request.sampling.max_new_tokens, eos_ids)
     request.output.put(request.decoding.start(first))
     request.enter(Phase.FINISHED if request.decoding.finished else Phase.DECODING)
+    if request.heal_answer and shared.healer is not None and request.selected is not None:
+        exact = exact_head(st, request.selected, request.exact_base)
+        if exact < st.buf.length:
+            request.answer_heal = AnswerHeal(exact, exact, shared.healer.config.piece_tokens)
 
 
 def decode_step(requests: Sequence[Request], decoder: Decoder) -> torch.Tensor:
@@ -256,9 +262,12 @@ def keep(request: Request, shared: Shared) -> None:
     if request.learn is not None and st.missed:
         request.learn(request.stitched_prompt, st)
     if shared.prefix_cache is not None:
+        exact_base, healed = request.exact_base, request.healed_head
+        if request.answer_heal is not None:  # NOTE: its own healing grew the exact head
+            exact_base = max(exact_base, request.answer_heal.exact)
+            healed = request.answer_heal.healed_slots(st.buf.length, healed)
         kept = kept_from(st, request.selected, decoding.ids, shared.fingerprint, request.continued_runs,
-                         request.exact_base, (request.selection.name, request.selection.ratio),
-                         request.healed_head, request.scope)
+                         exact_base, (request.selection.name, request.selection.ratio), healed, request.scope)
         shared.prefix_cache.keep(kept, replaces=request.continued)
         request.enter(Phase.KEPT)
 

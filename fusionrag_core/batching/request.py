@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fusionrag_core.batching.answer_heal import AnswerHeal
 from fusionrag_core.batching.prefix_cache import KeptPrefix, ReusedRun
 from fusionrag_core.errors import AccountingError
 from fusionrag_core.query.decoding import Decoding
@@ -246,6 +247,8 @@ class Request:
             admitted with it, never stitched or recomputed themselves; each copies its computed
             prompt once its first logits are known (`phases.fork`) and decodes on with its own sampling.
         forked: it is such a fork: it is neither kept nor learned from (its parent is).
+        heal_answer: heal its buffer between its decode steps (`batching.answer_heal`).
+        answer_heal: that healing's state, from its first token while its K/V are inexact.
     """
 
     prompt: FusionPrompt
@@ -281,6 +284,8 @@ class Request:
     cancelled: bool = False
     forks: tuple[Request, ...] = ()
     forked: bool = False
+    heal_answer: bool = False
+    answer_heal: AnswerHeal | None = None
 
     def __post_init__(self) -> None:
         self.account = TokenAccount(prompt=self.prompt.num_tokens)
@@ -333,6 +338,12 @@ class Request:
     def group_bytes(self) -> int:
         """K/V bytes it takes when admitted: its buffer and its forks'."""
         return self.kv_bytes + sum(f.kv_bytes for f in self.forks)
+
+    @property
+    def answer_heal_pending(self) -> bool:
+        """It decodes and its answer healing has slots left to heal."""
+        return (self.phase is Phase.DECODING and self.answer_heal is not None and self.stitched is not None
+                and self.answer_heal.pending(self.stitched))
 
     @property
     def done(self) -> bool:

@@ -3,7 +3,7 @@
     dropped ─► end
     admit   ─► stitch each ─► probe (one pass) ─► select each ─► recompute (one pass) ─► forks copied
             ─► first token each (forks included)
-    decode  ─► one batched decode step ─► next token each
+    decode  ─► one batched decode step ─► next token each ─► a piece of one answer's healing
     heal    ─► one piece of a kept request's healing (an idle step only)
 
 A request's failure stays its own: a phase that fails for one request fails that request alone,
@@ -17,9 +17,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 from fusionrag_core.batching import phases
+from fusionrag_core.batching.answer_heal import heal_answer_piece
+from fusionrag_core.batching.heal import Healer
 from fusionrag_core.batching.phases import Shared
 from fusionrag_core.batching.request import Phase, Request
 from fusionrag_core.batching.scheduler import StepOutput, StepPlan
@@ -53,6 +56,8 @@ class Runner:
         rows = 0
         if plan.step:
             rows = self._decode([r for r in (*plan.decode, *started) if r.phase is Phase.DECODING], left)
+        if plan.heal_answer is not None and plan.heal_answer.answer_heal_pending and healer is not None:
+            self._heal_answer(plan.heal_answer, healer)
         if plan.heal and healer is not None and cache is not None:
             healer.run_piece(self.shared.decoder, cache)
         return StepOutput(left=tuple(left), decoded_rows=rows, packs=tuple(packs))
@@ -154,6 +159,22 @@ class Runner:
                 r.finish()
                 left.append(r)
         return len(requests)
+
+    def _heal_answer(self, request: Request, healer: Healer) -> None:
+        """One piece of `request`'s answer healing. A piece that fails is logged and counted; the request
+        decodes on over its K/V as they are (still correct, still approximate) and is not healed again."""
+        heal, decoding = request.answer_heal, request.decoding
+        assert heal is not None and decoding is not None
+        start = time.perf_counter()
+        try:
+            tokens = heal_answer_piece(self.shared.decoder, request.stitched_buffer(), decoding.ids, heal)
+        except Exception:
+            log.exception("healing request %d's answer failed at slot %d: it decodes on approximate",
+                          request.id, heal.exact)
+            heal.failed = True  # NOTE: its exact head stands: the piece wrote only slots past it
+            healer.record_answer_piece(0, time.perf_counter() - start, caught_up=False, failed=True)
+            return
+        healer.record_answer_piece(tokens, time.perf_counter() - start, caught_up=heal.healed_at_token is not None)
 
     @staticmethod
     def _try(phase: Callable[[Request], None], request: Request, left: list[Request]) -> bool:

@@ -18,7 +18,9 @@ One step:
 2. **decode**, when requests were running before the step or none was admitted: one batched
    decode step over every running request (those just admitted included). On an idle engine an
    admitting step ends without it, so a lone request's first token waits for no decode step.
-3. **heal**, the lowest priority: only in a step planned for it (`plan(heal=True)`, by the loop's
+3. **heal an answer**, when no request waits to be admitted: after the decode step, one piece of
+   the oldest running request's answer healing (`batching.answer_heal`), if one has any left.
+4. **heal**, the lowest priority: only in a step planned for it (`plan(heal=True)`, by the loop's
    heal thread) that finds no request waiting or running: one piece of a kept request's healing
    (`batching.heal`), so an arrival waits for one piece at most.
 
@@ -101,6 +103,7 @@ class StepPlan:
         step: after the admissions, one batched decode step over `decode` and the admitted
             requests that still decode.
         heal: run one piece of healing (nothing else to do in this step).
+        heal_answer: after the decode step, run one piece of this request's answer healing.
     """
 
     dropped: tuple[Request, ...]
@@ -108,6 +111,7 @@ class StepPlan:
     decode: tuple[Request, ...]
     step: bool
     heal: bool = False
+    heal_answer: Request | None = None
 
     @property
     def requests(self) -> tuple[Request, ...]:
@@ -193,9 +197,11 @@ class Scheduler:
             decode = tuple(self._running)
             self._step_tokens = 0
             admit = self._admit()
+            # NOTE: below admissions: a piece runs only in a step no waiting request could use
+            answer = None if self._waiting else next((r for r in decode if r.answer_heal_pending), None)
         idle = not (dropped or admit or decode)
         return StepPlan(dropped=tuple(dropped), admit=admit, decode=decode, step=bool(decode) or not admit,
-                        heal=heal and idle)
+                        heal=heal and idle, heal_answer=answer)
 
     def admit_more(self) -> tuple[Request, ...]:
         """Requests that arrived while this step's admissions were being stitched, within what room and

@@ -56,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heal", type=positive_int, default=None, metavar="PIECE_TOKENS",
                         help="heal kept conversations while idle, in pieces of PIECE_TOKENS tokens (e.g. 64): a "
                              "later turn continues exact K/V (EngineConfig.heal; default: off)")
+    parser.add_argument("--heal-answers", action="store_true",
+                        help="with --heal, also heal each answer between its decode steps, so the rest of it "
+                             "decodes over exact K/V; adds a piece's pass to some decode steps "
+                             "(HealConfig.answers; default: off)")
     parser.add_argument("--max-body-bytes", type=positive_int, default=defaults.max_body_bytes,
                         help=f"largest request body (default: {defaults.max_body_bytes})")
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=None,
@@ -123,10 +127,12 @@ def scheduler_limits(args: argparse.Namespace) -> SchedulerConfig:
 
 
 def healing(args: argparse.Namespace, engine: FusionEngine) -> FusionEngine:
-    """`engine`, healing kept requests with --heal (on the same weights)."""
+    """`engine`, healing kept requests with --heal, and answers in flight with --heal-answers (on the
+    same weights)."""
     if args.heal is None:
         return engine
-    return engine.with_config(dataclasses.replace(engine.config, heal=HealConfig(piece_tokens=args.heal)))
+    heal = HealConfig(piece_tokens=args.heal, answers=args.heal_answers)
+    return engine.with_config(dataclasses.replace(engine.config, heal=heal))
 
 
 def session_for(args: argparse.Namespace, engine: FusionEngine) -> ReuseSession:
@@ -197,6 +203,9 @@ def run(args: argparse.Namespace, engine: Callable[[], FusionEngine], argv: Sequ
 
     config = server_config(args)  # NOTE: checked before the model loads
     limits = scheduler_limits(args)
+    if args.heal_answers and args.heal is None:
+        raise InvalidRequestError("--heal-answers heals in pieces of --heal's size: add --heal PIECE_TOKENS (e.g. "
+                                  "--heal 64)")
     scale_out = ray_options(args)
     if scale_out is not None:
         if args.heal is not None:

@@ -48,6 +48,12 @@ ENGINE_STATS: dict[str, tuple[str, str, bool]] = {
     "heal_failures": ("fusionrag_heal_failures", "Pieces of healing that failed (their entry stays approximate)",
                       True),
     "heal_ms": ("fusionrag_heal_milliseconds", "Time the pieces of healing took", True),
+    "answer_heals": ("fusionrag_answer_heals", "Answers whose K/V healing caught up with in flight", True),
+    "answer_heal_pieces": ("fusionrag_answer_heal_pieces", "Pieces of answer healing run", True),
+    "answer_healed_tokens": ("fusionrag_answer_healed_tokens", "Tokens answer healing made exact", True),
+    "answer_heal_failures": ("fusionrag_answer_heal_failures",
+                             "Pieces of answer healing that failed (the answer stays approximate)", True),
+    "answer_heal_ms": ("fusionrag_answer_heal_milliseconds", "Time the pieces of answer healing took", True),
 }
 
 
