@@ -19,6 +19,7 @@ A 2-layer random Llama over the real SmolLM2 tokenizer.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ def disk(tmp_path: Path) -> Iterator[Path]:
 def fresh_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The process's open learned caches start empty and are closed after the test (as a process
     that ends closes them), so the tmpfs holds no open file when it is unmounted."""
-    opened: dict[Path, LearnedCaches] = {}
+    opened: OrderedDict[Path, LearnedCaches] = OrderedDict()
     monkeypatch.setattr(learned_module, "_open", opened)
     yield
     for learned in list(opened.values()):

@@ -42,7 +42,7 @@ def continued_head(cache: PrefixCache | None, prompt: FusionPrompt, lookup: Cach
     return kept, n, repeat
 
 
-def kept_layout(cache: PrefixCache | None, prompt: FusionPrompt, lookup: CacheLookup, *, exact_only: bool,
+def kept_layout(cache: PrefixCache | None, prompt: FusionPrompt, *, exact_only: bool,
                 selection: tuple[str, float | None], scope: Scope = OPERATOR) -> FusionPrompt:
     """`prompt`, or its layout without learned caches (`FusionPrompt.unlearned`) where a kept entry
     continues that one further and leaves no more to compute than `prompt`'s question.
@@ -56,21 +56,26 @@ def kept_layout(cache: PrefixCache | None, prompt: FusionPrompt, lookup: CacheLo
     other = prompt.unlearned
     if cache is None or other is None:
         return prompt
-    theirs, ours = (_head(cache, p, lookup, exact_only=exact_only, selection=selection, scope=scope)[1]
+    # NOTE: no cache is loaded to choose (no lookup): a kept run whose stored cache changed shortens
+    # the head `continued_head` then continues, as it would have for either layout
+    theirs, ours = (_head(cache, p, None, exact_only=exact_only, selection=selection, scope=scope)[1]
                     for p in (other, prompt))
     if theirs > ours and other.num_tokens - theirs <= int(prompt.question.shape[0]):
         return other
     return prompt
 
 
-def _head(cache: PrefixCache, prompt: FusionPrompt, lookup: CacheLookup, *, exact_only: bool,
+def _head(cache: PrefixCache, prompt: FusionPrompt, lookup: CacheLookup | None, *, exact_only: bool,
           selection: tuple[str, float | None], scope: Scope) -> tuple[KeptPrefix | None, int, bool]:
-    """`continued_head`, counting nothing served."""
+    """`continued_head`, counting nothing served; without `lookup`, the kept runs are not verified."""
     found = cache.match(prompt.token_ids(), prompt.num_tokens - 1, scope)
     kept, n = found if found is not None else (None, 0)
     repeat = False
     if kept is not None:
-        n = min(n, kept.exact_tokens) if exact_only else verified_head(prompt, kept, n, lookup)
+        if exact_only:
+            n = min(n, kept.exact_tokens)
+        elif lookup is not None:
+            n = verified_head(prompt, kept, n, lookup)
         if n < kept.prompt_tokens:
             same = (cache.config.shared_documents and not exact_only
                     and (kept.selector, kept.ratio) == selection)

@@ -79,7 +79,7 @@ def stitch_request(request: Request, shared: Shared) -> None:
     # NOTE: a full recompute (and full attention) must equal a plain prefill, so it continues only exact
     # K/V: a kept turn's question and answer attended to the approximate chunk K/V of its time
     exact_only, chosen = plain or selection.recomputes_everything, (selection.name, selection.ratio)
-    request.relayout(kept_layout(shared.prefix_cache, request.prompt, request.lookup, exact_only=exact_only,
+    request.relayout(kept_layout(shared.prefix_cache, request.prompt, exact_only=exact_only,
                                  selection=chosen, scope=request.scope))
     # NOTE: a local: `request.lookup` stays the request's own (its loads and fallbacks are read at the end)
     lookup = request.lookup if plain else prefetch(request.prompt, request.lookup, shared.loader,
