@@ -11,7 +11,7 @@ Learned retrieved documents, which only in-process integrations see, are tested 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,14 +168,20 @@ def test_a_salt_that_is_too_long_is_refused_with_the_limit(base_url: str) -> Non
 
 
 # ---- learned retrieved documents (in-process) ---------------------------------------------------------
-def test_a_learned_retrieved_document_is_hit_only_in_its_scope(engine: FusionEngine, tmp_path: Path) -> None:
-    session = ReuseSession(engine, None, ReuseConfig(learned_dir=tmp_path))
+def _asking_the_record(engine: FusionEngine, learned_dir: Path) -> Callable[[Scope], Generation]:
+    """Ask about RECORD, retrieved for the request, in a scope (in-process, learning on)."""
+    session = ReuseSession(engine, None, ReuseConfig(learned_dir=learned_dir))
     options = RequestOptions(SamplingConfig(max_new_tokens=2))
 
     def ask(scope: Scope) -> Generation:
         *_, generation = session.answer(context(RECORD, "Which wrist?"), options, [RECORD], scope)
         assert isinstance(generation, Generation)
         return generation
+    return ask
+
+
+def test_a_learned_retrieved_document_is_hit_only_in_its_scope(engine: FusionEngine, tmp_path: Path) -> None:
+    ask = _asking_the_record(engine, tmp_path)
     ask(Scope("alice"))
     assert ask(Scope("alice")).reused_tokens > 0
     for scope in (Scope("bob"), Scope("alice", "other-salt"), Scope()):
@@ -188,13 +194,7 @@ def test_a_process_keeps_a_bounded_number_of_scopes_open_and_reopens_one_that_co
     """Every (tenant, salt) opens a learned-cache directory: a stream of new salts must not hold
     each one's databases open for the life of the process."""
     monkeypatch.setattr(learned, "OPEN_LIMIT", 2)
-    session = ReuseSession(engine, None, ReuseConfig(learned_dir=tmp_path))
-    options = RequestOptions(SamplingConfig(max_new_tokens=2))
-
-    def ask(scope: Scope) -> Generation:
-        *_, generation = session.answer(context(RECORD, "Which wrist?"), options, [RECORD], scope)
-        assert isinstance(generation, Generation)
-        return generation
+    ask = _asking_the_record(engine, tmp_path)
     ask(Scope("alice"))
     for salt in ("s1", "s2", "s3"):
         ask(Scope("bob", salt))
