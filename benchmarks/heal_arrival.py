@@ -87,10 +87,13 @@ def trial(pair: tuple[FusionEngine, FusionEngine], kept: serving.Conversation, a
     for name in (("mid_heal", "no_heal") if healed_first else ("no_heal", "mid_heal")):
         engine = healed if name == "mid_heal" else plain
         reset(engine)
+        # NOTE: the engine's counters are totals over its life (the warm-up's and duration runs' heals
+        # included): what this trial healed before its arrival is their growth from here
+        before = healed.stats()
         first_turn(engine, kept, store, sampling)
         if name == "mid_heal":
             time.sleep(delay_s)
-            stats = healed.stats()
+            stats = {k: healed.stats()[k] - before[k] for k in ("heal_pieces", "heals")}
         ttft[name] = first_turn(engine, arrival, store, sampling).ttft_s
     return {"piece_tokens": healed.config.heal.piece_tokens, "kept_row": kept.row, "arrival_row": arrival.row,
             "delay_s": round(delay_s, 4), "pieces_before_arrival": stats["heal_pieces"],
@@ -159,12 +162,13 @@ def main(argv: Sequence[str] | None = None, engine: FusionEngine | None = None,
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="fusionrag-heal-arrival-") as tmp:
         corpus = serving.build_corpus(base, rows, args, args.db or Path(tmp), embedding_function)
+        pairs: dict[int, tuple[FusionEngine, FusionEngine]] = {}
         try:
             cs = [serving.Conversation(i, i, row.question, corpus.chunks[i], None)
                   for i, row in enumerate(rows[:args.rows + 1])]
             serving.check_prompts(base, cs)
             store = corpus.index.store
-            pairs = {p: engine_pair(base, p) for p in args.pieces}
+            pairs.update((p, engine_pair(base, p)) for p in args.pieces)
             trial(pairs[args.pieces[0]], cs[-1], cs[0], store, args.sampling, 0.0, True)  # NOTE: warm-up, untimed
             durations = {p: [heal_duration(pairs[p][0], c, store, args.sampling) for c in cs[:-1]] for p in args.pieces}
             trials = []
@@ -175,6 +179,10 @@ def main(argv: Sequence[str] | None = None, engine: FusionEngine | None = None,
                         trials.append(trial(pairs[p], c, cs[i + 1], store, args.sampling, delay, (i + k) % 2 == 0))
                         print(json.dumps(trials[-1]), flush=True)
         finally:
+            # NOTE: no heal left running: a daemon thread inside torch at interpreter exit aborts it
+            for engines in pairs.values():
+                for e in engines:
+                    reset(e)
             corpus.index.close()
     env["load_end"] = [round(x, 2) for x in os.getloadavg()]
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "sampling"}
