@@ -184,6 +184,24 @@ def test_an_arrival_mid_heal_waits_one_piece_and_continues_the_healed_head(
     assert reference.exact_tokens == reference.prompt_tokens and reference.approximate_tokens == 0
 
 
+def test_at_exit_healing_stops_after_the_piece_in_flight(
+        smollm_tokenizer: PreTrainedTokenizerBase, held_piece: tuple[threading.Event, threading.Event]) -> None:
+    """Defect: a program that ended while its engine healed aborted ("terminate called without an
+    active exception", exit 134): the heal thread was inside torch when the interpreter finalized.
+    At exit (`atexit`), `stop_healing` lets the piece in flight end and starts no other."""
+    entered, go = held_piece
+    engine, _ = _engines(_llama(smollm_tokenizer), smollm_tokenizer)
+    assert engine.loop is not None
+    one, _ = _turns(engine, None)
+    engine.generate(one, sampling=SAMPLING, caches=_fused(engine))
+    assert entered.wait(WAIT_S)
+    assert not engine.loop.stop_healing(timeout_s=0.2)  # NOTE: the held piece is still running
+    go.set()
+    assert engine.loop.stop_healing(timeout_s=WAIT_S)
+    threading.Event().wait(0.2)
+    assert engine.stats()["heal_pieces"] == 1 and _kept(engine).exact_tokens < _kept(engine).num_tokens
+
+
 def test_healing_needs_a_prefix_cache_and_a_scheduler() -> None:
     with pytest.raises(InvalidRequestError, match="prefix_cache"):
         EngineConfig(heal=HealConfig(), prefix_cache=None)

@@ -33,8 +33,10 @@ reading (`runtime.threads`): one pool at a time, whoever leads.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterator
 
 from fusionrag_core.batching.request import Request, RequestOutput
@@ -60,6 +62,9 @@ class BatchLoop:
         self._driver_wake = RequestOutput()  # NOTE: the driver's own wake-ups; it never carries events
         self._healing: threading.Thread | None = None
         self._heal_wake = threading.Event()
+        self._heal_stopped = False  # NOTE: set once, at interpreter exit (`stop_healing`)
+        self._heal_step_done = threading.Event()  # NOTE: clear while a heal step runs
+        self._heal_step_done.set()
 
     # ---- consumers on threads ----------------------------------------------------------------------------
     def pieces(self, request: Request) -> Iterator[str]:
@@ -144,7 +149,16 @@ class BatchLoop:
             if self._healing is None:
                 self._healing = threading.Thread(target=self._heal, name="fusionrag-heal", daemon=True)
                 self._healing.start()
+                atexit.register(_stop_healing, weakref.ref(self))
         self._heal_wake.set()
+
+    def stop_healing(self, timeout_s: float = 60.0) -> bool:
+        """Start no heal step again, and wait up to `timeout_s` for the one running to end; returns
+        whether none runs. Called at interpreter exit: a daemon thread still inside torch when the
+        interpreter finalizes aborts the process ("terminate called without an active exception")."""
+        with self._lock:
+            self._heal_stopped = True
+        return self._heal_step_done.wait(timeout_s)
 
     def _heal(self) -> None:
         """The heal thread: one heal step at a time while the engine is idle and an entry needs it."""
@@ -152,17 +166,22 @@ class BatchLoop:
             self._heal_wake.wait()
             self._heal_wake.clear()
             while self._lead_heal():
-                self._step(heal=True)
-                threads.release_pool()  # NOTE: whoever leads next must not share the cores with its pool
+                try:
+                    self._step(heal=True)
+                    threads.release_pool()  # NOTE: whoever leads next must not share the cores with its pool
+                finally:
+                    self._heal_step_done.set()
 
     def _lead_heal(self) -> bool:
         """Take the lead for a heal step if no one holds it, no request waits or runs, and an entry
         needs healing. Returns whether it was taken."""
         healer, cache = self.runner.shared.healer, self.runner.shared.prefix_cache
         with self._lock:
-            if self._leading or self.scheduler.has_work or healer is None or cache is None or not healer.pending(cache):
+            if (self._heal_stopped or self._leading or self.scheduler.has_work or healer is None or cache is None
+                    or not healer.pending(cache)):
                 return False
             self._leading = True
+            self._heal_step_done.clear()
             return True
 
     # ---- both --------------------------------------------------------------------------------------------
@@ -242,6 +261,13 @@ class BatchLoop:
         self._hand_over()
         if self._healing is not None and not self.scheduler.has_work:
             self._heal_wake.set()  # NOTE: idle: healing may go on
+
+
+def _stop_healing(loop: weakref.ref[BatchLoop]) -> None:
+    """At interpreter exit: no heal step of a loop still alive is left running (`BatchLoop.stop_healing`)."""
+    alive = loop()
+    if alive is not None and not alive.stop_healing():
+        log.warning("a heal step was still running at exit after 60 s; the process may abort")
 
 
 __all__ = ["BatchLoop"]
