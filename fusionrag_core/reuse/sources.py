@@ -86,7 +86,7 @@ class ReuseSources(KVStore):
         # is no chunk: its text stays learnable, and is learned again.
         learned = self.learned
         extra = [m for m in learned.index.find(text) if all(m.end <= f.start or m.start >= f.end for f in found)
-                 and (learned.store.has(m.chunk_id, "fused") or learned.store.has(m.chunk_id, "independent"))]
+                 and learned.store.has_any(m.chunk_id)]
         return sorted(found + extra, key=lambda m: m.start)
 
     def prompt(self, engine: FusionEngine, messages: Sequence[Mapping[str, Any]],
@@ -102,7 +102,7 @@ class ReuseSources(KVStore):
         require_unicode(list(messages), "messages")  # NOTE: before the spans are hashed, not only at the layout
         contents = [str(m.get("content") or "") for m in messages]
         docs, cut = self._learnable(engine, contents, documents)
-        prompt = engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_cache,
+        prompt = engine.prompt_from_messages(messages, find=self.find, documents=docs, has_cache=self.has_any,
                                              spans=cut, tools=tools)
         self._keep_uncovered(prompt, contents)
         return self._with_unlearned(prompt, lambda find, has_cache: engine.prompt_from_messages(
@@ -112,7 +112,7 @@ class ReuseSources(KVStore):
         """A raw text prompt (a completion) as a FusionPrompt, chunks found and learned as in `prompt`."""
         require_unicode(text, "prompt")
         docs, cut = self._learnable(engine, [text], documents)
-        prompt = engine.prompt_from_text(text, find=self.find, documents=docs, has_cache=self.has_cache, spans=cut)
+        prompt = engine.prompt_from_text(text, find=self.find, documents=docs, has_cache=self.has_any, spans=cut)
         self._keep_uncovered(prompt, [text])
         return self._with_unlearned(prompt, lambda find, has_cache: engine.prompt_from_text(
             text, find=find, documents=docs, has_cache=has_cache))
@@ -122,7 +122,7 @@ class ReuseSources(KVStore):
         """`prompt` with its layout without learned caches (`FusionPrompt.unlearned`: the corpus's
         chunks alone, as the request that learned them read it), when one of its segments is learned."""
         if self.learned is None or not any(
-                seg.chunk_id and self.has_cache(seg.chunk_id) and not self._ingested(seg.chunk_id)
+                seg.chunk_id and self.has_any(seg.chunk_id) and not self._ingested(seg.chunk_id)
                 for seg in prompt.segments):
             return prompt
         find = self.primary_index.find if self.primary_index is not None else None
@@ -130,8 +130,7 @@ class ReuseSources(KVStore):
 
     def _ingested(self, chunk_id: str) -> bool:
         """Whether the primary store holds a cache variant of `chunk_id`."""
-        return self.primary is not None and (self.primary.has(chunk_id, "fused")
-                                             or self.primary.has(chunk_id, "independent"))
+        return self.primary is not None and self.primary.has_any(chunk_id)
 
     def _keep_uncovered(self, prompt: FusionPrompt, contents: Sequence[str]) -> None:
         """`pending` less the pieces the prompt does not hold as written clear of every chunk found in
@@ -160,15 +159,11 @@ class ReuseSources(KVStore):
             # does the text alone say it.
             for span in () if docs else conversation_spans(contents):
                 cut.setdefault(content_id(span, engine.fingerprint), span)
-        self.pending = [(cid, text) for cid, text in {**docs, **cut}.items() if not self.has_cache(cid)]
+        self.pending = [(cid, text) for cid, text in {**docs, **cut}.items() if not self.has_any(cid)]
         missing = {cid for cid, _ in self.pending}
         # NOTE: every document goes to the layout (stored chunks are found inside its text, a mark
         # without a cache falls back to it); one without a cache is never cut out of plain text there.
         return docs, {cid: t for cid, t in cut.items() if cid not in missing}
-
-    def has_cache(self, chunk_id: str) -> bool:
-        """Whether any cache variant of `chunk_id` is stored here (ingested or learned)."""
-        return self.has(chunk_id, "fused") or self.has(chunk_id, "independent")
 
     def put(self, chunk_id: str, kv: ChunkKV) -> None:
         if self.primary is None:

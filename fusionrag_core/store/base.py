@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from fusionrag_core.runtime.kv import ChunkKV, Variant
+from fusionrag_core.runtime.kv import VARIANTS, ChunkKV, Variant
 from fusionrag_core.store.codec import StorageDType, storage_torch_dtype
 
 if TYPE_CHECKING:
@@ -123,6 +123,10 @@ class KVStore(ABC):
     @abstractmethod
     def has(self, chunk_id: str, variant: Variant) -> bool:
         """Whether an entry exists for `(chunk_id, variant)` (not whether it is valid)."""
+
+    def has_any(self, chunk_id: str) -> bool:
+        """Whether an entry exists for some variant of `chunk_id` (not whether it is valid)."""
+        return any(self.has(chunk_id, v) for v in VARIANTS)
 
     @abstractmethod
     def delete(self, chunk_id: str, variant: Variant | None = None) -> None:
