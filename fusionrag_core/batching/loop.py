@@ -14,7 +14,8 @@ Healing (`batching.heal`) has a thread of its own, `fusionrag-heal`, started wit
 request that needs it: woken when the engine goes idle or keeps a request, it leads one heal step
 at a time (`Scheduler.plan(heal=True)`) while no request waits or runs and an entry needs healing,
 handing its OpenMP pool back after each. A request that arrives meanwhile waits for that one step,
-then is handed the lead as usual.
+then is handed the lead as usual. At interpreter exit healing stops after the step in flight
+(`stop_healing`).
 
 Each consumer is woken for its own pieces as they are put (its first token reaches it before the
 step's decode pass ends), and when a step ends the oldest idle consumer, if any, is woken to lead
