@@ -28,8 +28,9 @@ untimed warm-up request (the extra row) runs before it. Configurations run one a
 
 Users are threads in a closed loop: each takes the next conversation from a shared queue and runs its
 turns, streaming (`engine.stream`); with `--think-s MIN,MAX` a user pauses before a follow-up (drawn
-per conversation), and with `--heal N` the engines with a scheduler heal kept turns while idle
-(`HealConfig(piece_tokens=N)`; the configuration records the engine's heal totals).
+per conversation), and `--heal off,N` runs each configuration with healing off and with the
+engines that have a scheduler healing kept turns while idle (`HealConfig(piece_tokens=N)`; such a
+configuration records the engine's heal totals), side by side in one run.
 Per turn: TTFT (from building the prompt to the first text piece,
 queueing included), the engine's own TTFT, inter-token latency ((last piece - first piece) / (tokens - 1)
 and the gaps between pieces), output tokens. Per configuration (`--requests` turns at most, follow-ups
@@ -325,10 +326,12 @@ def run_conversation(s: Serving, c: Conversation, turns: list[Turn], deadline: f
 
 
 # ---- one configuration ------------------------------------------------------------------------------------
-def engine_for(base: FusionEngine, scheduler: bool, args: argparse.Namespace) -> FusionEngine:
-    """A fresh engine on `base`'s weights, with the scheduler or without (healing with --heal, with it)."""
+def engine_for(base: FusionEngine, scheduler: bool, heal_pieces: int | None,
+               args: argparse.Namespace) -> FusionEngine:
+    """A fresh engine on `base`'s weights, with the scheduler or without (healing in pieces of
+    `heal_pieces` tokens, if not None, with it)."""
     config = SchedulerConfig(max_running=args.max_running) if scheduler else None
-    heal = HealConfig(piece_tokens=args.heal) if args.heal is not None and scheduler else None
+    heal = HealConfig(piece_tokens=heal_pieces) if heal_pieces is not None and scheduler else None
     return FusionEngine(base.model, base.tokenizer, name=base.name,
                         config=dataclasses.replace(base.config, scheduler=config, heal=heal))
 
@@ -368,25 +371,26 @@ def run_users(s: Serving, conversations: Sequence[Conversation], users: int,
     return turns, max(ends) - clock["start"]
 
 
-def run_configuration(base: FusionEngine, corpus: Corpus, method: str, scheduler: bool, users: int,
-                      conversations: Sequence[Conversation], warmup: Conversation,
+def run_configuration(base: FusionEngine, corpus: Corpus, method: str, scheduler: bool, heal: int | None,
+                      users: int, conversations: Sequence[Conversation], warmup: Conversation,
                       args: argparse.Namespace) -> dict[str, Any]:
     """One configuration on a fresh engine: an untimed warm-up turn, then the users; its summary."""
-    engine = engine_for(base, scheduler, args)
+    engine = engine_for(base, scheduler, heal, args)
     try:
         s = Serving(engine, SERVED[method], args.ratio, corpus.index.store, args.sampling, args.think_s)
         warm = Turn(-1, warmup.row, 0)
         run_turn(s, warm, warmup.first_messages(engine.config.instruction), math.inf)
         before = scheduler_counts(engine)
         turns, wall = run_users(s, conversations, users, args.budget_s)
-        summary = {"method": method, "scheduler": scheduler, "users": users, "warmup": warm.status,
+        summary = {"method": method, "scheduler": scheduler, "heal": heal if scheduler else None, "users": users,
+                   "warmup": warm.status,
                    **summarise([t for ts in turns for t in ts], wall)}
         if engine.scheduler is not None:
             steps, rows, passes, packed = (b - a for a, b in zip(before, scheduler_counts(engine), strict=True))
             summary["decode_steps"], summary["mean_batch"] = steps, round(rows / steps, 2) if steps else None
             summary["sparse_passes"], summary["mean_pack"] = passes, round(packed / passes, 2) if passes else None
         if engine.config.heal is not None:
-            summary["heal"] = {k: v for k, v in engine.stats().items() if k.startswith("heal")}
+            summary["heal_stats"] = {k: v for k, v in engine.stats().items() if k.startswith("heal")}
         summary["turns"] = [t.record() for ts in turns for t in ts]
         return summary
     finally:
@@ -463,8 +467,10 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return round(statistics.fmean(present), 4) if present else None
 
 
-def find(configs: Sequence[Mapping[str, Any]], method: str, scheduler: bool, users: int) -> Mapping[str, Any] | None:
-    return next((c for c in configs if (c["method"], c["scheduler"], c["users"]) == (method, scheduler, users)), None)
+def find(configs: Sequence[Mapping[str, Any]], method: str, scheduler: bool, users: int,
+         heal: int | None = None) -> Mapping[str, Any] | None:
+    key = (method, scheduler, heal if scheduler else None, users)
+    return next((c for c in configs if (c["method"], c["scheduler"], c["heal"], c["users"]) == key), None)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -472,9 +478,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def goals(configs: Sequence[Mapping[str, Any]], goal_users: int) -> list[dict[str, Any]]:
-    """The issue's goals as measured ratios: value, target, met (None: not measured in this run)."""
-    def get(method: str, scheduler: bool, users: int, *path: str) -> float | None:
-        value: Any = find(configs, method, scheduler, users)
+    """The issues' goals as measured ratios: value, target, met (None: not measured in this run)."""
+    def get(method: str, scheduler: bool, users: int, *path: str, heal: int | None = None) -> float | None:
+        value: Any = find(configs, method, scheduler, users, heal)
         for key in path:
             value = None if value is None else value[key]
         return value
@@ -492,9 +498,13 @@ def goals(configs: Sequence[Mapping[str, Any]], goal_users: int) -> list[dict[st
         goal(f"output tokens/s, fusionrag / full_attention, scheduler on, {goal_users} users",
              _ratio(get("fusionrag", True, goal_users, *tps), get(FULL_ATTENTION, True, goal_users, *tps)), 2, True),
     ]
+    for heal in sorted({c["heal"] for c in configs if c["heal"] is not None}):
+        out.append(goal(f"fusionrag output tokens/s, healing in {heal}-token pieces on / off, scheduler on, "
+                        f"{goal_users} users",
+                        _ratio(get("fusionrag", True, goal_users, *tps, heal=heal),
+                               get("fusionrag", True, goal_users, *tps)), 0.95, True))
     for c in configs:
-        name = f"follow-up / first-turn TTFT median, {c['method']}, scheduler {'on' if c['scheduler'] else 'off'}, " \
-               f"{c['users']} users"
+        name = f"follow-up / first-turn TTFT median, {c['method']}, {label(c)}, {c['users']} users"
         out.append(goal(name, c["followups"]["ttft_ratio_median"], 0.3, False))
     return out
 
@@ -502,7 +512,7 @@ def goals(configs: Sequence[Mapping[str, Any]], goal_users: int) -> list[dict[st
 def same_answers(configs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per method and users: how many turns finished with the scheduler and without answered alike."""
     out = []
-    for on in (c for c in configs if c["scheduler"]):
+    for on in (c for c in configs if c["scheduler"] and c["heal"] is None):
         off = find(configs, on["method"], False, on["users"])
         if off is None:
             continue
@@ -525,14 +535,15 @@ def table(doc: Mapping[str, Any]) -> str:
              f"load average {env['load_start']} at start, {env['load_end']} at end.", ""]
     if doc["note"]:
         lines += [f"Note: {doc['note']}", ""]
-    lines += ["| users | method | scheduler | done / planned | cut | not run | errors | req/s | out tok/s "
+    lines += ["| users | method | scheduler | heal | done / planned | cut | not run | errors | req/s | out tok/s "
               "| TTFT p50 | TTFT p95 | follow-up TTFT p50 | follow-up / first | ITL p50 | ITL p95 | mean batch "
               "| mean pack |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in doc["configurations"]:
         errors = ", ".join(f"{k}: {v}" for k, v in c["errors"].items()) or "0"
         lines.append(
-            f"| {c['users']} | {c['method']} | {'on' if c['scheduler'] else 'off'} | {c['completed']} / "
+            f"| {c['users']} | {c['method']} | {'on' if c['scheduler'] else 'off'} | {c['heal'] or 'off'} | "
+            f"{c['completed']} / "
             f"{c['requests']} | {c['cut']} | {c['not_run']} | {errors} | {c['requests_per_s']} | "
             f"{c['output_tokens_per_s']} | {_s(c['ttft_first_turn_s']['p50'])} | {_s(c['ttft_first_turn_s']['p95'])} | "
             f"{_s(c['ttft_followup_s']['p50'])} | {_x(c['followups']['ttft_ratio_median'])} | "
@@ -548,6 +559,12 @@ def table(doc: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def label(c: Mapping[str, Any]) -> str:
+    """A configuration's scheduler and healing, as the tables and plots name them."""
+    heal = f", healing in {c['heal']}-token pieces" if c["heal"] is not None else ""
+    return f"scheduler {'on' if c['scheduler'] else 'off'}{heal}"
+
+
 def _s(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f} s"
 
@@ -557,15 +574,15 @@ def _x(value: float | None) -> str:
 
 
 def plot(configs: Sequence[Mapping[str, Any]], key: Sequence[str], ylabel: str, path: Path, log_y: bool) -> None:
-    """One line per method x scheduler of `key` (a path into a configuration) against users."""
+    """One line per method x scheduler x healing of `key` (a path into a configuration) against users."""
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.add_subplot()
     colours = dict(zip(SERVED, ("black", "tab:blue", "tab:red"), strict=True))
     for method in SERVED:
-        for scheduler in (True, False):
+        for scheduler, heal in sorted({(c["scheduler"], c["heal"]) for c in configs}, key=str):
             points = []
             for c in configs:
-                if (c["method"], c["scheduler"]) == (method, scheduler):
+                if (c["method"], c["scheduler"], c["heal"]) == (method, scheduler, heal):
                     value: Any = c
                     for k in key:
                         value = value[k]
@@ -573,8 +590,9 @@ def plot(configs: Sequence[Mapping[str, Any]], key: Sequence[str], ylabel: str, 
                         points.append((c["users"], value))
             if points:
                 xs, ys = zip(*sorted(points), strict=True)
-                ax.plot(xs, ys, marker="o", color=colours[method], linestyle="-" if scheduler else "--",
-                        label=f"{method}, scheduler {'on' if scheduler else 'off'}")
+                style = ":" if heal is not None else "-" if scheduler else "--"
+                ax.plot(xs, ys, marker="o", color=colours[method], linestyle=style,
+                        label=f"{method}, {label({'scheduler': scheduler, 'heal': heal})}")
     users = sorted({c["users"] for c in configs})
     ax.set_xscale("log", base=2)
     ax.set_xticks(users, [str(u) for u in users])
@@ -617,8 +635,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the scheduler's max_running")
     p.add_argument("--think-s", default=None, metavar="MIN,MAX",
                    help="a user's pause before a follow-up, drawn uniformly from MIN..MAX seconds (default: none)")
-    p.add_argument("--heal", type=int, default=None, metavar="PIECE_TOKENS",
-                   help="engines with a scheduler heal kept turns while idle (HealConfig; default: off)")
+    p.add_argument("--heal", default="off", metavar="off,PIECE_TOKENS",
+                   help="comma-separated: off and/or piece sizes; engines with a scheduler heal kept turns while "
+                        "idle in pieces of that many tokens (HealConfig), each a configuration (default: off)")
     p.add_argument("--goal-users", type=int, default=16, help="users of the throughput goals")
     p.add_argument("--db", type=Path, default=None, help="keep the ingested corpus here (default: a temp dir)")
     p.add_argument("--model", default=None, help="default: the packaged SmolLM2-135M")
@@ -650,8 +669,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if not 0 <= low <= high:
             p.error("--think-s needs 0 <= MIN <= MAX")
         args.think_s = (low, high)
-    if args.heal is not None and args.heal < 1:
-        p.error("--heal must be >= 1")
+    try:
+        args.heal = [None if h == "off" else int(h) for h in args.heal.split(",") if h]
+    except ValueError:
+        p.error(f"--heal takes off and/or piece sizes in tokens, comma-separated; got {args.heal!r}")
+    if not args.heal or any(h is not None and h < 1 for h in args.heal):
+        p.error("--heal needs off or piece sizes >= 1")
     args.sampling = SamplingConfig(max_new_tokens=args.max_tokens, stop=() if args.no_stop else ANSWER_STOP)
     return args
 
@@ -685,8 +708,8 @@ def run(engine: FusionEngine, args: argparse.Namespace, command: Sequence[str],
             configs = []
             for users in args.users:
                 for method in args.methods:
-                    for name in args.schedulers:
-                        c = run_configuration(engine, corpus, method, SCHEDULERS[name], users, conversations,
+                    for name, heal in configurations(args):
+                        c = run_configuration(engine, corpus, method, SCHEDULERS[name], heal, users, conversations,
                                               warmup, args)
                         print(progress_line(c), flush=True)
                         configs.append(c)
@@ -709,8 +732,13 @@ def run(engine: FusionEngine, args: argparse.Namespace, command: Sequence[str],
     return doc
 
 
+def configurations(args: argparse.Namespace) -> list[tuple[str, int | None]]:
+    """(scheduler, healing) pairs in run order; healing needs the scheduler, so off runs once."""
+    return [(name, heal) for name in args.schedulers for heal in (args.heal if SCHEDULERS[name] else [None])]
+
+
 def progress_line(c: Mapping[str, Any]) -> str:
-    return (f"{c['users']:>3} users  {c['method']:<14} scheduler {'on ' if c['scheduler'] else 'off'}  "
+    return (f"{c['users']:>3} users  {c['method']:<14} {label(c)}  "
             f"{c['completed']}/{c['requests']} done ({c['cut']} cut, {c['not_run']} not run, errors {c['errors']})  "
             f"{c['requests_per_s']} req/s  {c['output_tokens_per_s']} tok/s  "
             f"TTFT p50 {_s(c['ttft_first_turn_s']['p50'])}  follow-up/first {_x(c['followups']['ttft_ratio_median'])}")
