@@ -118,6 +118,26 @@ def test_a_healed_sliding_window_gemma_follow_up_equals_full_attention(
     _check_healed_follow_up(*_engines(_gemma(8), smollm_tokenizer))
 
 
+def test_a_healed_head_is_continued_after_its_chunks_are_re_fused(smollm_tokenizer: PreTrainedTokenizerBase) -> None:
+    """Every chunk's stored cache changed after the heal (another neighbour digest): the healed K/V
+    are the tokens' own, so the follow-up still continues the whole healed head (a head with reused
+    K/V would end where the first changed chunk starts) and equals full attention."""
+    engine, fresh = _engines(_llama(smollm_tokenizer), smollm_tokenizer)
+    fused = _fused(engine)
+    one, _ = _turns(engine, None)
+    first = engine.generate(one, sampling=SAMPLING, caches=fused)
+    assert engine.wait_for_heals(WAIT_S)
+    healed = _kept(engine)
+    _, two = _turns(engine, first)
+    assert two is not None
+    refused = {k: dataclasses.replace(kv, fused_after="re-fused") for k, kv in fused.items()}
+    follow = engine.generate(two, sampling=SAMPLING, caches=refused)
+    reference = fresh.full_attention(two, sampling=SAMPLING).collect()
+    assert follow.prefix_cached_tokens == healed.num_tokens
+    assert follow.approximate_tokens == 0 and follow.healed_tokens == int(healed.healed.sum())
+    torch.testing.assert_close(follow.first_token_logits, reference.first_token_logits, atol=1e-4, rtol=0)
+
+
 def test_without_healing_the_follow_up_is_not_full_attention(smollm_tokenizer: PreTrainedTokenizerBase) -> None:
     """The control: the same conversation without healing continues approximate K/V."""
     engine, fresh = _engines(_llama(smollm_tokenizer), smollm_tokenizer)

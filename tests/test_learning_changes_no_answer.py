@@ -74,28 +74,41 @@ def test_a_request_that_reuses_nothing_equals_a_plain_prefill_with_learning_on_o
             assert served.token_ids == plain.token_ids
 
 
-def test_the_server_and_both_integrations_answer_a_first_time_request_as_a_plain_prefill(
+TOP = 5  # NOTE: the first token's top log-probabilities the server's answer is compared by
+
+
+def test_the_server_answers_a_first_time_request_as_a_plain_prefill(engine: FusionEngine, tmp_path: Path) -> None:
+    """The same through the OpenAI server, learning on: greedy text (4 tokens) and the first token's top
+    log-probabilities, the logits as far as the API shows them."""
+    from fusionrag_integrations.openai_server import ServerConfig, create_app
+    from tests.http_server import running_app
+
+    session = ReuseSession(engine, None, ReuseConfig(learned_dir=tmp_path / "server"))
+    with running_app(create_app(session, ServerConfig())) as url:
+        for messages in PROMPTS:
+            plain = plain_prefill(engine, messages)
+            body = httpx.post(f"{url}/v1/chat/completions", timeout=120,
+                              json={"messages": messages, "max_tokens": 4, "temperature": 0,
+                                    "logprobs": True, "top_logprobs": TOP}).json()
+            assert body["choices"][0]["message"]["content"] == engine.tokenizer.decode(plain.token_ids)
+            assert body["fusionrag"]["reused_tokens"] == 0
+            served = [t["logprob"] for t in body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]]
+            expected = torch.log_softmax(plain.first_token_logits.float(), dim=-1).topk(TOP).values
+            torch.testing.assert_close(torch.tensor(served), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_both_integrations_answer_a_first_time_request_as_a_plain_prefill(
         engine: FusionEngine, tmp_path: Path) -> None:
-    """The same through the OpenAI server, ChatFusionRAG and the LlamaIndex LLM (greedy text: 4 tokens)."""
+    """The same through ChatFusionRAG and the LlamaIndex LLM, learning on (greedy text: 4 tokens)."""
     from llama_index.core.base.llms.types import ChatMessage
 
     from fusionrag_integrations.langchain import ChatFusionRAG
     from fusionrag_integrations.llama_index import FusionRAGLLM
-    from fusionrag_integrations.openai_server import ServerConfig, create_app
-    from tests.http_server import running_app
 
-    prompts = PROMPTS[:3]
-    expected = [engine.tokenizer.decode(plain_prefill(engine, m).token_ids) for m in prompts]
-    session = ReuseSession(engine, None, ReuseConfig(learned_dir=tmp_path / "server"))
-    with running_app(create_app(session, ServerConfig())) as url:
-        for messages, text in zip(prompts, expected, strict=True):
-            body = httpx.post(f"{url}/v1/chat/completions", timeout=120,
-                              json={"messages": messages, "max_tokens": 4, "temperature": 0}).json()
-            assert body["choices"][0]["message"]["content"] == text
-            assert body["fusionrag"]["reused_tokens"] == 0
+    expected = [engine.tokenizer.decode(plain_prefill(engine, m).token_ids) for m in PROMPTS]
     chat = ChatFusionRAG(engine=engine, max_tokens=4, learned_dir=str(tmp_path / "langchain"))
     llm = FusionRAGLLM(engine=engine, max_new_tokens=4, learned_dir=str(tmp_path / "llama_index"))
-    for messages, text in zip(prompts, expected, strict=True):
+    for messages, text in zip(PROMPTS, expected, strict=True):
         assert chat.invoke([(m["role"], m["content"]) for m in messages]).content == text
         answer = llm.chat([ChatMessage(role=m["role"], content=m["content"]) for m in messages])
         assert answer.message.content == text

@@ -92,11 +92,15 @@ def _head(cache: PrefixCache, prompt: FusionPrompt, lookup: CacheLookup | None, 
 def verified_head(prompt: FusionPrompt, kept: KeptPrefix, n: int, lookup: CacheLookup) -> int:
     """How many of the `n` matched tokens may be continued: up to the first chunk the kept K/V reused
     whose stored cache is not the one this prompt would reuse now (re-fused, deleted, or the chunk is
-    no longer found there), so a corpus update never serves a stale prefix."""
+    no longer found there), so a corpus update never serves a stale prefix. A chunk within the
+    entry's exact head is not looked up: its K/V were computed afresh (recomputed or healed), so
+    they depend on the matched tokens alone, whatever cache they were first read from."""
     starts = _segment_starts(prompt)
     for run in kept.runs:
         if run.start >= n:
             break
+        if run.end <= kept.exact_tokens:
+            continue
         i = next((i for i, seg in enumerate(prompt.segments)
                   if seg.chunk_id == run.chunk_id and starts[i] == run.start), None)
         found = lookup(run.chunk_id, i == 0) if i is not None else None
