@@ -15,6 +15,8 @@ import dataclasses
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from fusionrag_core.errors import InvalidRequestError
 from fusionrag_core.query.prompt import FusionPrompt
 from fusionrag_core.query.sampling import SamplingConfig
 from fusionrag_core.runtime.kv import ChunkKV
+from fusionrag_core.store.disk import DiskKVStore
 
 DOCS = {
     "lumen": "The Lumen lighthouse on Gull Point was designed by the engineer Ada Vell in 1891. Its lamp is red.",
@@ -136,6 +139,37 @@ def test_a_healed_head_is_continued_after_its_chunks_are_re_fused(smollm_tokeniz
     assert follow.prefix_cached_tokens == healed.num_tokens
     assert follow.approximate_tokens == 0 and follow.healed_tokens == int(healed.healed.sum())
     torch.testing.assert_close(follow.first_token_logits, reference.first_token_logits, atol=1e-4, rtol=0)
+
+
+def test_a_healed_follow_up_loads_no_chunk_cache(smollm_tokenizer: PreTrainedTokenizerBase, tmp_path: Path) -> None:
+    """Every chunk lies in the healed head the follow-up continues: none of their caches is read from
+    the store (before, all were loaded beside the follow-up's prefill and never used)."""
+    engine, _ = _engines(_llama(smollm_tokenizer), smollm_tokenizer)
+    store = DiskKVStore(tmp_path, storage_dtype="float32")
+    for chunk_id, kv in _fused(engine).items():
+        store.put(chunk_id, kv)
+    one, _ = _turns(engine, None)
+    first = engine.generate(one, sampling=SAMPLING, store=store)
+    assert first.approximate_tokens > 0
+    assert engine.wait_for_heals(WAIT_S)
+    _, two = _turns(engine, first)
+    assert two is not None
+    read: list[str] = []
+    get = store.get
+
+    def counted(chunk_id: str, *args: Any, **kwargs: Any) -> ChunkKV:
+        read.append(chunk_id)
+        return get(chunk_id, *args, **kwargs)
+
+    store.get = counted  # type: ignore[method-assign]
+    follow = engine.generate(two, sampling=SAMPLING, store=store)
+    assert follow.approximate_tokens == 0 and follow.prefix_cached_tokens == _kept_tokens(first)
+    assert read == []
+
+
+def _kept_tokens(first: Generation) -> int:
+    """The tokens a finished turn keeps: its prompt and its answer but the last token."""
+    return first.prompt_tokens + len(first.token_ids) - 1
 
 
 def test_without_healing_the_follow_up_is_not_full_attention(smollm_tokenizer: PreTrainedTokenizerBase) -> None:

@@ -42,6 +42,14 @@ def continued_head(cache: PrefixCache | None, prompt: FusionPrompt, lookup: Cach
     return kept, n, repeat
 
 
+def exactly_continued(cache: PrefixCache | None, prompt: FusionPrompt, *, scope: Scope = OPERATOR) -> int:
+    """How many leading tokens of `prompt` a kept entry would continue exactly (0: none): the chunks
+    there need no cache (`verified_head` looks none of them up), so none is loaded for them."""
+    if cache is None:
+        return 0
+    return _head(cache, prompt, None, exact_only=True, selection=("", None), scope=scope)[1]
+
+
 def kept_layout(cache: PrefixCache | None, prompt: FusionPrompt, *, exact_only: bool,
                 selection: tuple[str, float | None], scope: Scope = OPERATOR) -> FusionPrompt:
     """`prompt`, or its layout without learned caches (`FusionPrompt.unlearned`) where a kept entry
@@ -275,4 +283,5 @@ def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(edges[0::2], edges[1::2], strict=True))
 
 
-__all__ = ["continued_head", "exact_head", "head_cache", "kept_from", "reopen", "rest_of", "settle", "verified_head"]
+__all__ = ["continued_head", "exact_head", "exactly_continued", "head_cache", "kept_from", "reopen", "rest_of",
+           "settle", "verified_head"]

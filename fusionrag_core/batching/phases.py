@@ -23,6 +23,7 @@ from fusionrag_core.batching.answer_heal import AnswerHeal
 from fusionrag_core.batching.continuation import (
     continued_head,
     exact_head,
+    exactly_continued,
     head_cache,
     kept_from,
     kept_layout,
@@ -82,8 +83,9 @@ def stitch_request(request: Request, shared: Shared) -> None:
     request.relayout(kept_layout(shared.prefix_cache, request.prompt, exact_only=exact_only,
                                  selection=chosen, scope=request.scope))
     # NOTE: a local: `request.lookup` stays the request's own (its loads and fallbacks are read at the end)
-    lookup = request.lookup if plain else prefetch(request.prompt, request.lookup, shared.loader,
-                                                   inline=request.in_memory)
+    lookup = request.lookup if plain else prefetch(
+        request.prompt, request.lookup, shared.loader, inline=request.in_memory,
+        after=exactly_continued(shared.prefix_cache, request.prompt, scope=request.scope))
     kept, n, repeat = continued_head(shared.prefix_cache, request.prompt, lookup, exact_only=exact_only,
                                      selection=chosen, scope=request.scope)
     if kept is not None:

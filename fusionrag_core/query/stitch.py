@@ -37,7 +37,7 @@ CacheLookup = Callable[[str, bool], ChunkKV | CacheMiss | None]
 
 
 def prefetch(prompt: FusionPrompt, lookup: CacheLookup, pool: Executor, *,
-             inline: Container[str] = ()) -> CacheLookup:
+             inline: Container[str] = (), after: int = 0) -> CacheLookup:
     """Start the lookups of the prompt's chunks at once on `pool`; the returned lookup waits for each.
 
     NOTE: a store lookup is file or network I/O, a checksum pass and a host-to-device copy, which
@@ -45,14 +45,19 @@ def prefetch(prompt: FusionPrompt, lookup: CacheLookup, pool: Executor, *,
     Chunks in `inline` (already in memory) are looked up on the caller's thread when asked for:
     handing a few microseconds of work to a pool costs more (GIL hand-offs) than it saves.
     Errors surface when `stitch` asks for that chunk, in prompt order, as without prefetching.
+    Chunks that end within the first `after` prompt tokens (a kept head continued exactly holds
+    them) are not started: looked up on the caller's thread if asked for after all, never loaded
+    for nothing beside the model's work.
     """
     futures: dict[tuple[str, bool], Future[ChunkKV | CacheMiss | None]] = {}
     # NOTE: a lookup's torch ops leave an OpenMP pool in its thread, which slows every parallel op of
     # the thread running the model (`runtime.threads`): each pooled lookup hands it back
     pooled = threads.releasing(lookup)
+    end = int(prompt.prefix.shape[0])
     for i, seg in enumerate(prompt.segments):
+        end += seg.num_tokens
         key = (seg.chunk_id or "", i == 0)
-        if seg.chunk_id and seg.chunk_id not in inline and key not in futures:
+        if seg.chunk_id and seg.chunk_id not in inline and key not in futures and end > after:
             futures[key] = pool.submit(pooled, *key)
 
     def wait(chunk_id: str, first: bool) -> ChunkKV | CacheMiss | None:
