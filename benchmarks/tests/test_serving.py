@@ -81,8 +81,27 @@ def test_every_configuration_is_measured(script: ModuleType, tokenizer: PreTrain
     env = doc["environment"]
     assert env["cpus"] >= 1 and env["torch_threads"] == 1 and len(env["load_start"]) == len(env["load_end"]) == 3
     assert doc["command"][1:] == argv
-    assert "| 2 | fusionrag | off | 3 / 3 |" in (out / "results.md").read_text()
+    assert "| 2 | fusionrag | off | off | 3 / 3 |" in (out / "results.md").read_text()
     assert (out / "throughput.png").stat().st_size > 0 and (out / "ttft.png").stat().st_size > 0
+
+
+def test_healing_on_and_off_are_configurations_of_one_run(script: ModuleType, tokenizer: PreTrainedTokenizerBase,
+                                                          tmp_path: Path) -> None:
+    """`--heal off,8` with think time: the scheduler's configuration runs healing off and on (the engine
+    heals kept turns in the pause), the scheduler-off one once; the healing goal is their ratio."""
+    out = tmp_path / "out"
+    argv = _argv(out, "--users", "2", "--requests", "4", "--followups", "1", "--think-s", "0.5,1",
+                 "--methods", "fusionrag", "--heal", "off,8", "--goal-users", "2")
+    assert script.main(argv, engine=tiny_engine(tokenizer)) == 0
+    doc = json.loads((out / "results.json").read_text())
+    configs = doc["configurations"]
+    assert [(c["scheduler"], c["heal"]) for c in configs] == [(True, None), (True, 8), (False, None)]
+    off, healed, _ = configs
+    assert "heal_stats" not in off and healed["heal_stats"]["heals"] >= 1 and healed["heal_stats"]["heal_pieces"] >= 1
+    assert all(c["completed"] == c["requests"] == 4 for c in configs)
+    (goal,) = [g for g in doc["goals"] if "healing in 8-token pieces on / off" in g["goal"]]
+    assert goal["value"] == pytest.approx(healed["output_tokens_per_s"] / off["output_tokens_per_s"], abs=1e-3)
+    assert "| 2 | fusionrag | on | 8 | 4 / 4 |" in (out / "results.md").read_text()
 
 
 def test_undone_work_is_counted(script: ModuleType, tokenizer: PreTrainedTokenizerBase, tmp_path: Path) -> None:
@@ -97,7 +116,7 @@ def test_undone_work_is_counted(script: ModuleType, tokenizer: PreTrainedTokeniz
     assert c["conversations"] == 3 and c["requests"] == 3 + 1  # conversation 0 has the only follow-up
     assert c["not_run"] == c["requests"] and c["completed"] == 0 and c["requests_per_s"] == 0
     assert c["ttft_first_turn_s"]["p50"] is None and all(g["met"] is None for g in doc["goals"])
-    assert "| 1 | fusionrag | on | 0 / 4 | 0 | 4 |" in (out / "results.md").read_text()
+    assert "| 1 | fusionrag | on | off | 0 / 4 | 0 | 4 |" in (out / "results.md").read_text()
 
 
 def test_an_answer_past_the_deadline_is_cut(script: ModuleType, tokenizer: PreTrainedTokenizerBase) -> None:
