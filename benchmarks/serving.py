@@ -394,8 +394,8 @@ def run_configuration(base: FusionEngine, corpus: Corpus, method: str, scheduler
         summary["turns"] = [t.record() for ts in turns for t in ts]
         return summary
     finally:
-        # NOTE: its cache-loading threads end now rather than when the engine is collected.
-        engine._loader.shutdown(wait=True)
+        # NOTE: a healing engine would heal its kept turns beside the next configuration's requests
+        engine.close()
 
 
 def scheduler_counts(engine: FusionEngine) -> tuple[int, int, int, int]:

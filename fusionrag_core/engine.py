@@ -453,6 +453,15 @@ class FusionEngine:
         self.loop.heal_soon()
         return healer.wait(cache, timeout_s)
 
+    def close(self) -> None:
+        """Stop the engine's background work: healing ends after the piece in flight and its thread
+        exits, and the cache-loading threads end. Call it before dropping an engine that heals, whose
+        heal thread would otherwise go on healing kept requests no one will continue. The engine
+        answers no request after it."""
+        if self.loop is not None:
+            self.loop.stop_healing()
+        self._loader.shutdown(wait=True)
+
     def audit_summary(self) -> dict[str, Any]:
         """Live audit totals over the engine's life (see `fusionrag_core.query.audit.Auditor.summary`)."""
         return self.auditor.summary()

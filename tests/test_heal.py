@@ -256,6 +256,26 @@ def test_at_exit_healing_stops_after_the_piece_in_flight(
     assert engine.stats()["heal_pieces"] == 1 and _kept(engine).exact_tokens < _kept(engine).num_tokens
 
 
+def test_a_closed_engine_heals_no_more(
+        smollm_tokenizer: PreTrainedTokenizerBase, held_piece: tuple[threading.Event, threading.Event]) -> None:
+    """Defect: an engine dropped with kept requests to heal went on healing them in its daemon thread
+    (a benchmark's next configuration ran beside it at half speed). `close` lets the piece in flight
+    end; the heal thread exits and runs no other piece."""
+    entered, go = held_piece
+    engine, _ = _engines(_llama(smollm_tokenizer), smollm_tokenizer)
+    assert engine.loop is not None
+    one, _ = _turns(engine, None)
+    engine.generate(one, sampling=SAMPLING, caches=_fused(engine))
+    assert entered.wait(WAIT_S)
+    healing = engine.loop._healing
+    assert healing is not None and healing.is_alive()
+    go.set()
+    engine.close()
+    healing.join(WAIT_S)
+    assert not healing.is_alive()
+    assert engine.stats()["heal_pieces"] == 1 and _kept(engine).exact_tokens < _kept(engine).num_tokens
+
+
 def test_healing_needs_a_prefix_cache_and_a_scheduler() -> None:
     with pytest.raises(InvalidRequestError, match="prefix_cache"):
         EngineConfig(heal=HealConfig(), prefix_cache=None)

@@ -154,16 +154,18 @@ class BatchLoop:
         self._heal_wake.set()
 
     def stop_healing(self, timeout_s: float = 60.0) -> bool:
-        """Start no heal step again, and wait up to `timeout_s` for the one running to end; returns
-        whether none runs. Called at interpreter exit: a daemon thread still inside torch when the
-        interpreter finalizes aborts the process ("terminate called without an active exception")."""
+        """Start no heal step again (the heal thread exits), and wait up to `timeout_s` for the one
+        running to end; returns whether none runs. Called at interpreter exit (a daemon thread still
+        inside torch when the interpreter finalizes aborts the process: "terminate called without an
+        active exception") and by `FusionEngine.close` (a dropped engine heals nothing more)."""
         with self._lock:
             self._heal_stopped = True
+        self._heal_wake.set()
         return self._heal_step_done.wait(timeout_s)
 
     def _heal(self) -> None:
         """The heal thread: one heal step at a time while the engine is idle and an entry needs it."""
-        while True:
+        while not self._heal_stopped:
             self._heal_wake.wait()
             self._heal_wake.clear()
             while self._lead_heal():
