@@ -127,14 +127,14 @@ def test_vector_stores_and_uploads_survive_a_restart(session: ReuseSession, tmp_
         stores.close()
     again = stores_at(session.engine, tmp_path)
     try:
-        (kept,) = again.list_stores()
+        (kept,) = again.list_stores("")
         assert (kept["id"], kept["name"], kept["metadata"]) == (store["id"], "kept", {"k": "v"})
-        assert [f["id"] for f in again.list_files(store["id"])] == [file_id]
-        assert again.files.text(file_id) == TEXT
-        hits = again.search(store["id"], "Who designed the lighthouse?", 1)
+        assert [f["id"] for f in again.list_files(store["id"], "")] == [file_id]
+        assert again.files.text(file_id, "") == TEXT
+        hits = again.search(store["id"], "", "Who designed the lighthouse?", 1)
         assert hits and hits[0].metadata["file_id"] == file_id
-        again.delete_file(store["id"], file_id)
-        assert again.list_files(store["id"]) == [] and not again.search(store["id"], "lighthouse", 1)
+        again.delete_file(store["id"], file_id, "")
+        assert again.list_files(store["id"], "") == [] and not again.search(store["id"], "", "lighthouse", 1)
     finally:
         again.close()
 

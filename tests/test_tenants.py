@@ -240,3 +240,62 @@ def test_learned_lists_verifies_and_purges_a_tenants_caches(engine: FusionEngine
     assert main(["--db", str(tmp_path), "learned"]) == 0
     left = capsys.readouterr().out
     assert "bob" not in left and "tenant 'alice': 1 cache(s)" in left
+
+
+# ---- uploaded files and vector stores -------------------------------------------------------------
+@pytest.fixture
+def stores_url(engine: FusionEngine, key_file: Path, tmp_path: Path) -> Iterator[str]:
+    """A server with vector stores under `tmp_path` and the two tenants' keys."""
+    from fusionrag_core.ingest.config import IngestConfig
+    from fusionrag_integrations.openai_server.vector_stores import VectorStoreConfig, VectorStores
+
+    session = ReuseSession(engine, None, ReuseConfig(learn=False, data_dir=tmp_path / "d"))
+    stores = VectorStores(engine, VectorStoreConfig(data_dir=tmp_path / "d",
+                                                    ingest=IngestConfig(chunk_tokens=32, neighbours=1)))
+    try:
+        with running_app(create_app(session, ServerConfig(api_key_file=str(key_file)), stores)) as url:
+            yield url
+    finally:
+        stores.close()
+
+
+def test_a_tenants_files_and_vector_stores_are_no_one_elses(stores_url: str) -> None:
+    """Defect: files and vector stores were the server's, not a tenant's: any key listed them, read an
+    uploaded file's text, searched a store and answered from its caches (file_search), which another
+    tenant's upload filled. Another tenant's id is now a 404 on every route, and lists are the
+    tenant's own."""
+    def client(tenant: str) -> httpx.Client:
+        return httpx.Client(base_url=stores_url, timeout=120, headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+
+    with client("alice") as alice, client("bob") as bob:
+        upload = alice.post("/v1/files", files={"file": ("record.txt", RECORD.encode())},
+                            data={"purpose": "assistants"})
+        file_id = upload.json()["id"]
+        store = alice.post("/v1/vector_stores", json={"name": "records", "file_ids": [file_id]}).json()
+        vs = store["id"]
+        assert store["file_counts"]["completed"] == 1, store
+        search = {"query": "When was Mara Quill admitted?"}
+        assert alice.post(f"/v1/vector_stores/{vs}/search", json=search).json()["data"]
+        assert [f["id"] for f in alice.get("/v1/files").json()["data"]] == [file_id]
+        assert [s["id"] for s in alice.get("/v1/vector_stores").json()["data"]] == [vs]
+
+        assert bob.get("/v1/files").json()["data"] == [] and bob.get("/v1/vector_stores").json()["data"] == []
+        for method, path, body in (
+                ("GET", f"/v1/files/{file_id}", None), ("GET", f"/v1/files/{file_id}/content", None),
+                ("DELETE", f"/v1/files/{file_id}", None), ("GET", f"/v1/vector_stores/{vs}", None),
+                ("GET", f"/v1/vector_stores/{vs}/files", None),
+                ("GET", f"/v1/vector_stores/{vs}/files/{file_id}", None),
+                ("POST", f"/v1/vector_stores/{vs}/search", search), ("DELETE", f"/v1/vector_stores/{vs}", None)):
+            response = bob.request(method, path, json=body)
+            assert response.status_code == 404, (method, path, response.text)
+        own = bob.post("/v1/vector_stores", json={"name": "mine"}).json()["id"]
+        added = bob.post(f"/v1/vector_stores/{own}/files", json={"file_id": file_id})
+        assert added.status_code == 404, added.text  # NOTE: alice's file is no file of bob's
+        assert bob.post("/v1/vector_stores", json={"file_ids": [file_id]}).status_code == 404
+        responses = {"input": "When was Mara Quill admitted?", "max_output_tokens": 3,
+                     "tools": [{"type": "file_search", "vector_store_ids": [vs]}],
+                     "tool_choice": {"type": "file_search"}}
+        assert bob.post("/v1/responses", json=responses).status_code == 404
+        answered = alice.post("/v1/responses", json=responses)
+        assert answered.status_code == 200, answered.text
+        assert alice.get(f"/v1/files/{file_id}/content").content == RECORD.encode()  # NOTE: bob's tries left it whole

@@ -172,7 +172,7 @@ class _Responses:
         choice, forced = body.chat_tool_choice()
         tenant: str = request.state.tenant
         previous = self._previous(tenant, body.previous_response_id)
-        turn = _Turn(body, self._vector_store(search, previous), search, functions, self.vector_stores)
+        turn = _Turn(body, self._vector_store(search, previous, tenant), search, functions, tenant, self.vector_stores)
         turn.messages = [*([{"role": "system", "content": body.instructions}] if body.instructions else []),
                          *(previous.conversation if previous else []), *body.input_messages()]
         turn.instructions = 1 if body.instructions else 0
@@ -207,22 +207,24 @@ class _Responses:
     def _previous(self, tenant: str, response_id: str | None) -> StoredResponse | None:
         return None if response_id is None else self._stored(tenant, response_id, "previous_response_id")
 
-    def _conversation_store(self, previous: StoredResponse | None) -> str | None:
+    def _conversation_store(self, previous: StoredResponse | None, tenant: str) -> str | None:
         """The vector store a continued conversation's passages came from, if it still exists."""
         vs_id = previous.vector_store_id if previous is not None else None
         if vs_id is None or self.vector_stores is None:
             return None
         try:
-            self.vector_stores.index(vs_id)
+            self.vector_stores.index(vs_id, tenant)
         except NoSuchObjectError:
             _gone(vs_id)
             return None
         return vs_id
 
-    def _vector_store(self, search: FileSearchSpec | None, previous: StoredResponse | None) -> str | None:
-        """The vector store this turn reads caches from: its file_search's, else its conversation's."""
+    def _vector_store(self, search: FileSearchSpec | None, previous: StoredResponse | None,
+                      tenant: str) -> str | None:
+        """The vector store this turn reads caches from: its file_search's, else its conversation's
+        (a store of the request's tenant: another tenant's is no store)."""
         if search is None:
-            return self._conversation_store(previous)
+            return self._conversation_store(previous, tenant)
         if self.vector_stores is None:
             raise HTTPError(400, "file_search needs vector stores: this server was started without a data directory "
                                  "for them", param="tools")
@@ -231,7 +233,7 @@ class _Responses:
                                  "put the files in one store", param="tools")
         vs_id = search.vector_store_ids[0]
         try:
-            self.vector_stores.index(vs_id)
+            self.vector_stores.index(vs_id, tenant)
         except NoSuchObjectError as e:
             raise HTTPError(404, e.message, code="not_found", param="tools") from None
         return vs_id
@@ -246,6 +248,7 @@ class _Turn:
     vector_store_id: str | None
     search_spec: FileSearchSpec | None
     functions: list[dict[str, Any]]
+    tenant: str
     vector_stores: VectorStores | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
     instructions: int = 0
@@ -259,7 +262,8 @@ class _Turn:
         assert self.search_spec is not None and self.vector_stores is not None and self.vector_store_id is not None
         spec, vs_id, stores = self.search_spec, self.vector_store_id, self.vector_stores
         threshold = (spec.ranking_options or {}).get("score_threshold")
-        hits = await anyio.to_thread.run_sync(lambda: stores.search(vs_id, query, spec.max_num_results, threshold))
+        hits = await anyio.to_thread.run_sync(
+            lambda: stores.search(vs_id, self.tenant, query, spec.max_num_results, threshold))
         self.hits, self.searched = hits, True
         item_id = new_id("fs")
         results = [{"file_id": filename_of(h)[0], "filename": filename_of(h)[1], "score": h.score, "text": h.text,
@@ -307,7 +311,7 @@ class ResponseOutput:
             return None
         session = self.server.session
         scope = Scope(self.tenant)
-        return ReuseSources(stores.index(vs_id).store, session.learned(scope=scope), scope=scope,
+        return ReuseSources(stores.index(vs_id, self.tenant).store, session.learned(scope=scope), scope=scope,
                             learning=session.config.learn and not options.full_attention)
 
     # ---- output --------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@
     DELETE /v1/vector_stores/{id}/files/{file_id}
     POST   /v1/vector_stores/{id}/search               the chunks most similar to a query
 
-Ingest and search run in worker threads; an unknown id is a 404 in OpenAI's error shape.
+Ingest and search run in worker threads; an unknown id is a 404 in OpenAI's error shape. Files
+and vector stores are the tenant's whose key uploaded or created them (`tenants`): another tenant's
+id answers 404, and lists hold the asking tenant's only.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
-from fastapi import FastAPI, Form, UploadFile
+from fastapi import FastAPI, Form, Request, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -84,57 +86,69 @@ class _StoreRoutes:
         self._stores = stores
 
     # ---- files -------------------------------------------------------------------------------------------
-    async def upload(self, file: UploadFile, purpose: str = Form(...)) -> dict[str, Any]:
+    async def upload(self, request: Request, file: UploadFile, purpose: str = Form(...)) -> dict[str, Any]:
         data = await file.read()
-        stores = self.stores
-        return await _in_thread(lambda: stores.files.add(file.filename or "upload.txt", data, purpose))
+        stores, tenant = self.stores, _tenant(request)
+        return await _in_thread(lambda: stores.files.add(file.filename or "upload.txt", data, purpose, tenant))
 
-    async def list_files(self) -> dict[str, Any]:
-        return _page(await _in_thread(self.stores.files.list_files))
+    async def list_files(self, request: Request) -> dict[str, Any]:
+        tenant = _tenant(request)
+        return _page(await _in_thread(lambda: self.stores.files.list_files(tenant)))
 
-    async def get_file(self, file_id: str) -> dict[str, Any]:
-        return await _in_thread(lambda: self.stores.files.get(file_id))
+    async def get_file(self, request: Request, file_id: str) -> dict[str, Any]:
+        tenant = _tenant(request)
+        return await _in_thread(lambda: self.stores.files.get(file_id, tenant))
 
-    async def file_content(self, file_id: str) -> Response:
-        data = await _in_thread(lambda: self.stores.files.content(file_id))
+    async def file_content(self, request: Request, file_id: str) -> Response:
+        tenant = _tenant(request)
+        data = await _in_thread(lambda: self.stores.files.content(file_id, tenant))
         return Response(data, media_type="application/octet-stream")
 
-    async def delete_file(self, file_id: str) -> dict[str, Any]:
-        return await _in_thread(lambda: self.stores.files.delete(file_id))
+    async def delete_file(self, request: Request, file_id: str) -> dict[str, Any]:
+        tenant = _tenant(request)
+        return await _in_thread(lambda: self.stores.files.delete(file_id, tenant))
 
     # ---- vector stores -----------------------------------------------------------------------------------
-    async def create(self, body: CreateVectorStore) -> dict[str, Any]:
+    async def create(self, request: Request, body: CreateVectorStore) -> dict[str, Any]:
         if body.expires_after is not None:
             raise InvalidRequestError("expires_after is not supported: a vector store lives until it is deleted")
         if body.chunking_strategy not in (None, {"type": "auto"}):
             raise InvalidRequestError("chunking_strategy is set per server (IngestConfig); send {'type': 'auto'} or "
                                       "none")
-        return await _in_thread(lambda: self.stores.create(body.name, body.metadata, body.file_ids))
+        tenant = _tenant(request)
+        return await _in_thread(lambda: self.stores.create(body.name, body.metadata, body.file_ids, tenant))
 
-    async def list_stores(self) -> dict[str, Any]:
-        return _page(await _in_thread(self.stores.list_stores))
+    async def list_stores(self, request: Request) -> dict[str, Any]:
+        tenant = _tenant(request)
+        return _page(await _in_thread(lambda: self.stores.list_stores(tenant)))
 
-    async def retrieve(self, vs_id: str) -> dict[str, Any]:
-        return await _in_thread(lambda: self.stores.retrieve(vs_id))
+    async def retrieve(self, request: Request, vs_id: str) -> dict[str, Any]:
+        tenant = _tenant(request)
+        return await _in_thread(lambda: self.stores.retrieve(vs_id, tenant))
 
-    async def delete(self, vs_id: str) -> dict[str, Any]:
-        return await _in_thread(lambda: self.stores.delete(vs_id))
+    async def delete(self, request: Request, vs_id: str) -> dict[str, Any]:
+        tenant = _tenant(request)
+        return await _in_thread(lambda: self.stores.delete(vs_id, tenant))
 
-    async def add_file(self, vs_id: str, body: AddFile) -> dict[str, Any]:
+    async def add_file(self, request: Request, vs_id: str, body: AddFile) -> dict[str, Any]:
         if body.attributes:
             raise InvalidRequestError("attributes are not supported on vector store files (no filters search them)")
-        return await _in_thread(lambda: self.stores.add_file(vs_id, body.file_id, body.chunking_strategy))
+        tenant = _tenant(request)
+        return await _in_thread(lambda: self.stores.add_file(vs_id, body.file_id, tenant, body.chunking_strategy))
 
-    async def list_vs_files(self, vs_id: str) -> dict[str, Any]:
-        return _page(await _in_thread(lambda: self.stores.list_files(vs_id)))
+    async def list_vs_files(self, request: Request, vs_id: str) -> dict[str, Any]:
+        tenant = _tenant(request)
+        return _page(await _in_thread(lambda: self.stores.list_files(vs_id, tenant)))
 
-    async def get_vs_file(self, vs_id: str, file_id: str) -> dict[str, Any]:
-        return await _in_thread(lambda: self.stores.retrieve_file(vs_id, file_id))
+    async def get_vs_file(self, request: Request, vs_id: str, file_id: str) -> dict[str, Any]:
+        tenant = _tenant(request)
+        return await _in_thread(lambda: self.stores.retrieve_file(vs_id, file_id, tenant))
 
-    async def delete_vs_file(self, vs_id: str, file_id: str) -> dict[str, Any]:
-        return await _in_thread(lambda: self.stores.delete_file(vs_id, file_id))
+    async def delete_vs_file(self, request: Request, vs_id: str, file_id: str) -> dict[str, Any]:
+        tenant = _tenant(request)
+        return await _in_thread(lambda: self.stores.delete_file(vs_id, file_id, tenant))
 
-    async def search(self, vs_id: str, body: SearchRequest) -> dict[str, Any]:
+    async def search(self, request: Request, vs_id: str, body: SearchRequest) -> dict[str, Any]:
         if body.filters is not None or body.rewrite_query:
             raise InvalidRequestError("filters and rewrite_query are not supported: the query is embedded as sent "
                                       "and every chunk is searched")
@@ -142,7 +156,8 @@ class _StoreRoutes:
         if len(queries) != 1:
             raise InvalidRequestError(f"send one query, got {len(queries)}")
         threshold = (body.ranking_options or {}).get("score_threshold")
-        hits = await _in_thread(lambda: self.stores.search(vs_id, queries[0], body.max_num_results, threshold))
+        tenant = _tenant(request)
+        hits = await _in_thread(lambda: self.stores.search(vs_id, tenant, queries[0], body.max_num_results, threshold))
         return {"object": "vector_store.search_results.page", "search_query": queries,
                 "data": list(search_results(hits)), "has_more": False, "next_page": None}
 
@@ -152,6 +167,12 @@ class _StoreRoutes:
             raise HTTPError(400, "this server has no vector stores: start it with a data directory for them "
                                  "(fusionrag --db DIR serve)", code="vector_stores_unavailable")
         return self._stores
+
+
+def _tenant(request: Request) -> str:
+    """The tenant whose key the request carries (`ChatServer`'s auth sets it before any route runs)."""
+    tenant: str = request.state.tenant
+    return tenant
 
 
 async def _in_thread(work: Callable[[], T]) -> T:

@@ -6,8 +6,12 @@ and fused, indexed; doc id = file id), under the corpus's writer lock, journal a
 the claims, limits and atomicity of the CLI. The add answers once the file is ingested (status
 "completed", or "failed" with the error); a file being added is "in_progress" meanwhile. A search
 is `FusionIndex.search`; the file_search tool reads the hits' caches from the store's KV store by
-chunk id. The vector store's name, metadata and creation time live in its collection's metadata, so
-the stores survive a restart with the corpus.
+chunk id. The vector store's name, metadata, creation time and tenant live in its collection's
+metadata, so the stores survive a restart with the corpus.
+
+A vector store is its tenant's (`tenants`), as its caches are what that tenant's uploads filled:
+every method takes the asking tenant, and another tenant's store (or file) is no store (404), never
+listed, searched or read from; a store made before tenants is the operator's ("").
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from fusionrag_integrations.openai_server.responses_protocol import new_id, now
 
 PREFIX = "vs_"
 _NAME_KEY, _CREATED_KEY, _META_KEY = "fusionrag_vs_name", "fusionrag_vs_created_at", "fusionrag_vs_metadata"
+_TENANT_KEY = "fusionrag_vs_tenant"
 _FILE_KEYS = ("file_id", "filename")
 """Chunk metadata each file's chunks carry (the doc id is the file id too)."""
 
@@ -74,29 +79,36 @@ class VectorStores:
         self._lock = threading.RLock()
 
     # ---- vector stores --------------------------------------------------------------------------------
-    def create(self, name: str | None, metadata: dict[str, str] | None, file_ids: list[str]) -> dict[str, Any]:
-        """A new vector store (its files ingested before it is answered)."""
+    def create(self, name: str | None, metadata: dict[str, str] | None, file_ids: list[str],
+               tenant: str) -> dict[str, Any]:
+        """A new vector store of `tenant`'s (its files, `tenant`'s too, ingested before it is answered)."""
         for file_id in file_ids:
-            self.files.get(file_id)  # NOTE: every file exists before anything is made
+            self.files.get(file_id, tenant)  # NOTE: every file exists before anything is made
         vs_id = new_id("vs")[:27]
         ef = chroma.default_embedding_function()
         collection = chroma.collection_in(self._database.client, vs_id, ef, self.config.chroma_url or "")
         chroma.record_metadata(collection, {_NAME_KEY: name or "", _CREATED_KEY: now(),
-                                            _META_KEY: json.dumps(metadata or {})})
+                                            _META_KEY: json.dumps(metadata or {}), _TENANT_KEY: tenant})
         for file_id in file_ids:
-            self.add_file(vs_id, file_id)
-        return self.retrieve(vs_id)
+            self.add_file(vs_id, file_id, tenant)
+        return self.retrieve(vs_id, tenant)
 
-    def list_stores(self) -> list[dict[str, Any]]:
-        """Every vector store's object, newest first."""
+    def list_stores(self, tenant: str) -> list[dict[str, Any]]:
+        """Every vector store object of `tenant`'s, newest first."""
         names = [c if isinstance(c, str) else c.name for c in self._database.client.list_collections()]
-        stores = [self.retrieve(n) for n in names if n.startswith(PREFIX)]
+        stores = []
+        for name in names:
+            if name.startswith(PREFIX):
+                try:
+                    stores.append(self.retrieve(name, tenant))
+                except NoSuchObjectError:
+                    continue  # NOTE: another tenant's, or deleted meanwhile
         return sorted(stores, key=lambda s: (s["created_at"], s["id"]), reverse=True)
 
-    def retrieve(self, vs_id: str) -> dict[str, Any]:
-        index = self.index(vs_id)
+    def retrieve(self, vs_id: str, tenant: str) -> dict[str, Any]:
+        index = self.index(vs_id, tenant)
         meta = index.collection.metadata or {}
-        files = self.list_files(vs_id)
+        files = self.list_files(vs_id, tenant)
         counts = {status: sum(f["status"] == status for f in files) for status in
                   ("in_progress", "completed", "failed", "cancelled")}
         return {"id": vs_id, "object": "vector_store", "created_at": int(meta.get(_CREATED_KEY, 0)),
@@ -105,9 +117,9 @@ class VectorStores:
                 "status": "in_progress" if counts["in_progress"] else "completed", "expires_after": None,
                 "expires_at": None, "last_active_at": None, "metadata": json.loads(str(meta.get(_META_KEY, "{}")))}
 
-    def delete(self, vs_id: str) -> dict[str, Any]:
+    def delete(self, vs_id: str, tenant: str) -> dict[str, Any]:
         """Remove a vector store: its documents (chunks and caches, as `fusionrag delete`), then its collection."""
-        index = self.index(vs_id)
+        index = self.index(vs_id, tenant)
         with self._write_lock(vs_id):
             index.delete(sorted(index.document_ids()))
             with self._lock:
@@ -116,8 +128,19 @@ class VectorStores:
             self._database.client.delete_collection(vs_id)
         return {"id": vs_id, "object": "vector_store.deleted", "deleted": True}
 
-    def index(self, vs_id: str) -> FusionIndex:
-        """The open index of `vs_id`.
+    def index(self, vs_id: str, tenant: str) -> FusionIndex:
+        """The open index of `vs_id`, a vector store of `tenant`'s.
+
+        Raises:
+            NoSuchObjectError: no such vector store of `tenant`'s.
+        """
+        index = self._open(vs_id)
+        if (index.collection.metadata or {}).get(_TENANT_KEY, "") != tenant:
+            raise NoSuchObjectError(f"No vector store with id {vs_id!r} found")
+        return index
+
+    def _open(self, vs_id: str) -> FusionIndex:
+        """The open index of `vs_id`, whoever's it is (opened on first use).
 
         Raises:
             NoSuchObjectError: no such vector store.
@@ -140,19 +163,19 @@ class VectorStores:
             return index
 
     # ---- files in a vector store ------------------------------------------------------------------------
-    def add_file(self, vs_id: str, file_id: str, chunking: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Ingest an uploaded file into the vector store; its `vector_store.file` object ("completed",
-        or "failed" with `last_error`: nothing of it is indexed then)."""
-        index = self.index(vs_id)
-        record = self.files.get(file_id)
+    def add_file(self, vs_id: str, file_id: str, tenant: str, chunking: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Ingest a file `tenant` uploaded into its vector store; its `vector_store.file` object
+        ("completed", or "failed" with `last_error`: nothing of it is indexed then)."""
+        index = self.index(vs_id, tenant)
+        record = self.files.get(file_id, tenant)
         _check_chunking(chunking, index.config)
         entry = self._file_object(vs_id, record, "in_progress", index.config)
         with self._lock:
             self._adding.setdefault(vs_id, {})[file_id] = entry
         try:
             with self._write_lock(vs_id):
-                index.add_texts([self.files.text(file_id)], [{"file_id": file_id, "filename": record["filename"]}],
-                                [file_id])
+                index.add_texts([self.files.text(file_id, tenant)],
+                                [{"file_id": file_id, "filename": record["filename"]}], [file_id])
             entry = {**entry, "status": "completed"}
         except FusionRAGError as e:
             entry = {**entry, "status": "failed", "last_error": {"code": "server_error", "message": str(e)}}
@@ -164,24 +187,24 @@ class VectorStores:
                     self._adding[vs_id][file_id] = entry  # NOTE: a failure stays listed until the file is removed
         return entry
 
-    def list_files(self, vs_id: str) -> list[dict[str, Any]]:
-        index = self.index(vs_id)
+    def list_files(self, vs_id: str, tenant: str) -> list[dict[str, Any]]:
+        index = self.index(vs_id, tenant)
         with self._lock:
             pending = dict(self._adding.get(vs_id, {}))
-        done = [self._file_object(vs_id, self._record(file_id), "completed", index.config)
+        done = [self._file_object(vs_id, self._record(file_id, tenant), "completed", index.config)
                 for file_id in sorted(index.document_ids()) if file_id not in pending]
         return [*done, *pending.values()]
 
-    def retrieve_file(self, vs_id: str, file_id: str) -> dict[str, Any]:
-        for entry in self.list_files(vs_id):
+    def retrieve_file(self, vs_id: str, file_id: str, tenant: str) -> dict[str, Any]:
+        for entry in self.list_files(vs_id, tenant):
             if entry["id"] == file_id:
                 return entry
         raise NoSuchObjectError(f"No file {file_id!r} in vector store {vs_id!r}")
 
-    def delete_file(self, vs_id: str, file_id: str) -> dict[str, Any]:
+    def delete_file(self, vs_id: str, file_id: str, tenant: str) -> dict[str, Any]:
         """Remove a file's chunks and caches from the vector store (the uploaded file stays)."""
-        self.retrieve_file(vs_id, file_id)
-        index = self.index(vs_id)
+        self.retrieve_file(vs_id, file_id, tenant)
+        index = self.index(vs_id, tenant)
         with self._write_lock(vs_id):
             index.delete([file_id])
         with self._lock:
@@ -189,14 +212,15 @@ class VectorStores:
         return {"id": file_id, "object": "vector_store.file.deleted", "deleted": True}
 
     # ---- search ----------------------------------------------------------------------------------------
-    def search(self, vs_id: str, query: str, k: int, score_threshold: float | None = None) -> list[RetrievedChunk]:
+    def search(self, vs_id: str, tenant: str, query: str, k: int,
+               score_threshold: float | None = None) -> list[RetrievedChunk]:
         """The `k` chunks of `vs_id` most similar to `query`, best first, none below `score_threshold`
         (cosine similarity; None: no threshold).
 
         Raises:
             InvalidRequestError: an empty query.
         """
-        index = self.index(vs_id)
+        index = self.index(vs_id, tenant)
         if not len(index):
             return []
         return [hit for hit in index.search(query, k) if score_threshold is None or hit.score >= score_threshold]
@@ -215,10 +239,10 @@ class VectorStores:
         with self._lock:
             return self._writes.setdefault(vs_id, threading.Lock())
 
-    def _record(self, file_id: str) -> dict[str, Any]:
+    def _record(self, file_id: str, tenant: str) -> dict[str, Any]:
         """The uploaded file's object; a stand-in naming the id when the upload was deleted since."""
         try:
-            return self.files.get(file_id)
+            return self.files.get(file_id, tenant)
         except NoSuchObjectError:
             return {"id": file_id, "filename": file_id, "bytes": 0, "created_at": 0}
 
