@@ -2,7 +2,9 @@
 side by side in one run.
 
 The serving benchmark's corpus and prompts (`serving.py`: shared-corpus MuSiQue rows, the bench
-runner's canonical prompt); greedy answers of `--max-tokens` tokens without stop strings, so every
+runner's canonical prompt), over each row's gold passages or, with `--retrieve K`, the K passages
+of the whole corpus most similar to its question (the bench's shared corpus with retrieved
+context); greedy answers of `--max-tokens` tokens without stop strings, so every
 answer is long enough to compare its first 24 and its first `--max-tokens` tokens. Engines on the
 same weights, each with its own scheduler and prefix cache (emptied before each answer: every
 answer is a first turn):
@@ -15,7 +17,8 @@ answer is a first turn):
 Per row, the engines in an order that rotates per row: the greedy tokens, TTFT, the whole answer's
 time, the mean time per token after the first (inter-token latency), and the token from which the
 healed answer decoded over exact K/V. The summary per engine: how many answers equal full
-attention's over their first 24 and first `--max-tokens` tokens, and the medians of TTFT, of
+attention's over their first token, their first 24 and their first `--max-tokens` tokens (healing
+starts after the first token, so the first decides what it can reach), and the medians of TTFT, of
 inter-token latency and of answer time over FusionRAG's without healing.
 
 Written to `--out`: results.json, results.md and identity.png (identity against added inter-token
@@ -78,6 +81,13 @@ def answer(engine: FusionEngine, name: str, c: serving.Conversation, store: KVSt
             "approximate_tokens": g.approximate_tokens, "cache_misses": len(g.cache_misses)}
 
 
+def context(corpus: serving.Corpus, i: int, question: str, k: int | None) -> tuple[tuple[str, str], ...]:
+    """Row `i`'s passages: its gold ones, or the `k` of the corpus most similar to `question`."""
+    if k is None:
+        return corpus.chunks[i]
+    return tuple((hit.chunk_id, hit.text) for hit in corpus.index.search(question, k))
+
+
 def row_record(es: Mapping[str, FusionEngine], c: serving.Conversation, store: KVStore, sampling: SamplingConfig,
                rotation: int) -> dict[str, Any]:
     names = list(es)
@@ -85,9 +95,10 @@ def row_record(es: Mapping[str, FusionEngine], c: serving.Conversation, store: K
     answers = {name: answer(es[name], name, c, store, sampling) for name in order}
     full = answers["full_attention"]["token_ids"]
     for a in answers.values():
+        a["same_first_token"] = a["token_ids"][:1] == full[:1]
         a["same_first_24"] = a["token_ids"][:SHORT] == full[:SHORT]
         a["same_whole"] = a["token_ids"] == full
-    return {"row": c.row, "order": order, "answers": answers}
+    return {"row": c.row, "chunks": [cid for cid, _ in c.chunks], "order": order, "answers": answers}
 
 
 def summarise(records: Sequence[Mapping[str, Any]], names: Sequence[str]) -> dict[str, Any]:
@@ -97,7 +108,8 @@ def summarise(records: Sequence[Mapping[str, Any]], names: Sequence[str]) -> dic
     out: dict[str, Any] = {"rows": len(records)}
     base = {k: values("fusionrag", k) for k in ("ttft_s", "itl_s", "total_s")}
     for name in names:
-        s: dict[str, Any] = {"same_first_24": sum(values(name, "same_first_24")),
+        s: dict[str, Any] = {"same_first_token": sum(values(name, "same_first_token")),
+                             "same_first_24": sum(values(name, "same_first_24")),
                              "same_whole": sum(values(name, "same_whole"))}
         for key in ("ttft_s", "itl_s", "total_s"):
             mine = values(name, key)
@@ -113,13 +125,15 @@ def summarise(records: Sequence[Mapping[str, Any]], names: Sequence[str]) -> dic
 def table(doc: Mapping[str, Any]) -> str:
     s, n, long = doc["summary"], doc["summary"]["rows"], doc["settings"]["max_tokens"]
     lines = [f"# Healing answers in flight: {n} rows, {doc['settings']['model']}", "",
-             f"| engine | first {SHORT} tokens = full attention's | first {long} = full attention's "
-             "| TTFT / fusionrag's | inter-token latency / fusionrag's | answer time / fusionrag's "
-             "| answers healed | healed at token (median) |", "|---|---|---|---|---|---|---|---|"]
+             f"| engine | first token = full attention's | first {SHORT} tokens = full attention's "
+             f"| first {long} = full attention's | TTFT / fusionrag's | inter-token latency / fusionrag's "
+             "| answer time / fusionrag's | answers healed | healed at token (median) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name in doc["engines"]:
         r = s[name]
         at = "-" if r["healed_at_median"] is None else f"{r['healed_at_median']:g}"
-        lines.append(f"| {name} | {r['same_first_24']}/{n} | {r['same_whole']}/{n} | {r['ttft_s_ratio_median']:.2f}x "
+        lines.append(f"| {name} | {r['same_first_token']}/{n} | {r['same_first_24']}/{n} | {r['same_whole']}/{n} "
+                     f"| {r['ttft_s_ratio_median']:.2f}x "
                      f"| {r['itl_s_ratio_median']:.2f}x | {r['total_s_ratio_median']:.2f}x | {r['healed_answers']}/{n} "
                      f"| {at} |")
     return "\n".join(lines) + "\n"
@@ -162,6 +176,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=12, help="rows answered (one more row warms up)")
     p.add_argument("--corpus-rows", type=int, default=None,
                    help="rows ingested (default: --rows + 1); another run's, with its --db, reuses its corpus")
+    p.add_argument("--retrieve", type=int, default=None, metavar="K",
+                   help="answer over the K passages of the whole corpus most similar to each question "
+                        "(default: the row's gold passages)")
     p.add_argument("--pieces", default="64,256", help="HealConfig.piece_tokens of the healing engines, comma-separated")
     p.add_argument("--max-tokens", type=int, default=64, help="answer length (no stop strings)")
     p.add_argument("--max-passage-tokens", type=int, default=None, help="cut each passage to N tokens")
@@ -172,6 +189,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/heal-answer"))
     args = p.parse_args(argv)
     args.pieces = [int(x) for x in args.pieces.split(",")]
+    if args.retrieve is not None and args.retrieve < 1:
+        p.error("--retrieve must be >= 1")
     if min(args.pieces) < 1 or args.rows < 1 or args.max_tokens < SHORT:
         p.error(f"--pieces and --rows must be >= 1, --max-tokens >= {SHORT}")
     args.sampling = SamplingConfig(max_new_tokens=args.max_tokens)
@@ -189,7 +208,7 @@ def main(argv: Sequence[str] | None = None, engine: FusionEngine | None = None,
     with tempfile.TemporaryDirectory(prefix="fusionrag-heal-answer-") as tmp:
         corpus = serving.build_corpus(base, rows, args, args.db or Path(tmp), embedding_function)
         try:
-            cs = [serving.Conversation(i, i, row.question, corpus.chunks[i], None)
+            cs = [serving.Conversation(i, i, row.question, context(corpus, i, row.question, args.retrieve), None)
                   for i, row in enumerate(rows[:args.rows + 1])]
             serving.check_prompts(base, cs)
             row_record(es, cs[-1], corpus.index.store, args.sampling, 0)  # NOTE: the warm-up, untimed

@@ -65,14 +65,15 @@ def test_an_arrival_mid_heal_is_measured_beside_one_with_nothing_to_heal(tokeniz
     assert (out / "results.md").read_text().startswith("# A request arriving mid-heal")
 
 
+@pytest.mark.parametrize("context", [[], ["--retrieve", "3"]], ids=["gold", "retrieved"])
 def test_answers_healed_in_flight_are_measured_beside_full_attention(tokenizer: PreTrainedTokenizerBase,
-                                                                     tmp_path: Path,
+                                                                     tmp_path: Path, context: list[str],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     load_script("serving", monkeypatch)
     script = load_script("heal_answer", monkeypatch)
     out = tmp_path / "out"
     argv = ["--data", str(DATA), "--rows", "2", "--max-passage-tokens", "24", "--neighbours", "2",
-            "--max-tokens", "24", "--pieces", "32,64", "--out", str(out)]
+            "--max-tokens", "24", "--pieces", "32,64", "--out", str(out), *context]
     assert script.main(argv, engine=tiny_engine(tokenizer)) == 0
     doc = json.loads((out / "results.json").read_text())
     assert doc["engines"] == ["fusionrag", "healed_32", "healed_64", "full_attention"]
@@ -84,5 +85,8 @@ def test_answers_healed_in_flight_are_measured_beside_full_attention(tokenizer: 
             at = answers[name]["answer_healed_at"]
             assert at is not None and 0 < at < 24  # the tiny prompts heal within the answer
     assert doc["summary"]["full_attention"]["same_whole"] == 2 == doc["summary"]["rows"]
+    assert doc["summary"]["full_attention"]["same_first_token"] == 2
+    if context:  # NOTE: 3 passages of the whole corpus per question, not the row's own
+        assert all(len(record["chunks"]) == 3 for record in doc["rows"])
     assert (out / "results.md").read_text().startswith("# Healing answers in flight")
     assert (out / "identity.png").stat().st_size > 0
