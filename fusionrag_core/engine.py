@@ -459,7 +459,7 @@ class FusionEngine:
         heal thread would otherwise go on healing kept requests no one will continue. The engine
         answers no request after it."""
         if self.loop is not None:
-            self.loop.stop_healing()
+            self.loop.stop_healing(end_thread=True)
         self._loader.shutdown(wait=True)
 
     def audit_summary(self) -> dict[str, Any]:

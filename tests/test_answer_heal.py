@@ -80,6 +80,21 @@ def test_after_the_heal_catches_up_the_answer_is_full_attentions_continuation(
     assert stats["answer_healed_tokens"] >= served.approximate_tokens
 
 
+def test_a_piece_that_covers_the_prompt_heals_before_the_second_token_is_picked(
+        smollm_tokenizer: PreTrainedTokenizerBase) -> None:
+    """The piece runs before the step's decode, so only the first token (picked with the prefill) is
+    approximate: the second already reads the healed prompt (before, it was picked first, and only
+    the third token on was full attention's continuation)."""
+    config = EngineConfig(heal=HealConfig(piece_tokens=4096, answers=True))
+    engine = FusionEngine(_llama(smollm_tokenizer), smollm_tokenizer, name="tiny", config=config)
+    fresh = engine.with_config(dataclasses.replace(config, prefix_cache=None, heal=None))
+    prompt, _ = _turns(engine, None)
+    served = engine.generate(prompt, sampling=SAMPLING, caches=_fused(engine))
+    assert served.approximate_tokens > 0 and served.answer_healed_at == 1
+    reference = _continuation(fresh, prompt, served.token_ids[:1], len(served.token_ids) - 1)
+    assert served.token_ids[1:] == reference.token_ids
+
+
 def test_without_answer_healing_the_answer_is_not_full_attentions_continuation(
         smollm_tokenizer: PreTrainedTokenizerBase, step_logits: list[torch.Tensor]) -> None:
     """The control: the server's answer healing off, the request's on and off."""

@@ -12,6 +12,8 @@ its prompt tokens were exact, healed or approximate, and the engine's stats coun
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -274,6 +276,25 @@ def test_a_closed_engine_heals_no_more(
     healing.join(WAIT_S)
     assert not healing.is_alive()
     assert engine.stats()["heal_pieces"] == 1 and _kept(engine).exact_tokens < _kept(engine).num_tokens
+
+
+EXITS_AFTER_HEALING = """
+import sys
+from transformers import AutoTokenizer
+from tests.test_heal import _check_healed_follow_up, _engines, _llama
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+_check_healed_follow_up(*_engines(_llama(tokenizer), tokenizer))
+"""
+
+
+def test_a_program_whose_engine_healed_exits_cleanly(tokenizer_path: Path) -> None:
+    """Defect: a heal thread woken to end at interpreter exit ended while the interpreter finalized,
+    and the process aborted ("terminate called without an active exception", exit 134) after every
+    test that healed. A real process: its exit status and stderr."""
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", EXITS_AFTER_HEALING, str(tokenizer_path)], cwd=repo,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
 
 
 def test_healing_needs_a_prefix_cache_and_a_scheduler() -> None:

@@ -63,7 +63,8 @@ class BatchLoop:
         self._driver_wake = RequestOutput()  # NOTE: the driver's own wake-ups; it never carries events
         self._healing: threading.Thread | None = None
         self._heal_wake = threading.Event()
-        self._heal_stopped = False  # NOTE: set once, at interpreter exit (`stop_healing`)
+        self._heal_stopped = False  # NOTE: set once, at interpreter exit or by `close` (`stop_healing`)
+        self._heal_ended = False  # NOTE: set once, by `close`: the heal thread exits
         self._heal_step_done = threading.Event()  # NOTE: clear while a heal step runs
         self._heal_step_done.set()
 
@@ -153,19 +154,25 @@ class BatchLoop:
                 atexit.register(_stop_healing, weakref.ref(self))
         self._heal_wake.set()
 
-    def stop_healing(self, timeout_s: float = 60.0) -> bool:
-        """Start no heal step again (the heal thread exits), and wait up to `timeout_s` for the one
-        running to end; returns whether none runs. Called at interpreter exit (a daemon thread still
-        inside torch when the interpreter finalizes aborts the process: "terminate called without an
-        active exception") and by `FusionEngine.close` (a dropped engine heals nothing more)."""
+    def stop_healing(self, timeout_s: float = 60.0, *, end_thread: bool = False) -> bool:
+        """Start no heal step again, and wait up to `timeout_s` for the one running to end; returns
+        whether none runs. Called at interpreter exit (a daemon thread still inside torch when the
+        interpreter finalizes aborts the process: "terminate called without an active exception")
+        and, with `end_thread`, by `FusionEngine.close`: the heal thread then exits too, so a dropped
+        engine is not kept alive by it.
+
+        NOTE: at interpreter exit the thread is left blocked on its wake-up event: a thread that
+        ends while the interpreter finalizes aborts the process the same way."""
         with self._lock:
             self._heal_stopped = True
-        self._heal_wake.set()
+            self._heal_ended = self._heal_ended or end_thread
+        if end_thread:
+            self._heal_wake.set()
         return self._heal_step_done.wait(timeout_s)
 
     def _heal(self) -> None:
         """The heal thread: one heal step at a time while the engine is idle and an entry needs it."""
-        while not self._heal_stopped:
+        while not self._heal_ended:
             self._heal_wake.wait()
             self._heal_wake.clear()
             while self._lead_heal():

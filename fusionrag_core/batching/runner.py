@@ -53,11 +53,13 @@ class Runner:
             left.append(r)
             self._end_forks(r, left)
         started, packs = self._admit(plan.admit, admit_more, left)
+        # NOTE: before the decode: the token this step picks already reads what the piece healed (the
+        # first piece runs before the second token is picked, not after)
+        if plan.heal_answer is not None and plan.heal_answer.answer_heal_pending and healer is not None:
+            self._heal_answer(plan.heal_answer, healer)
         rows = 0
         if plan.step:
             rows = self._decode([r for r in (*plan.decode, *started) if r.phase is Phase.DECODING], left)
-        if plan.heal_answer is not None and plan.heal_answer.answer_heal_pending and healer is not None:
-            self._heal_answer(plan.heal_answer, healer)
         if plan.heal and healer is not None and cache is not None:
             healer.run_piece(self.shared.decoder, cache)
         return StepOutput(left=tuple(left), decoded_rows=rows, packs=tuple(packs))
