@@ -240,17 +240,24 @@ def test_an_arrival_mid_heal_waits_one_piece_and_continues_the_healed_head(
     assert reference.exact_tokens == reference.prompt_tokens and reference.approximate_tokens == 0
 
 
+def _healing_a_piece(tokenizer: PreTrainedTokenizerBase,
+                     held_piece: tuple[threading.Event, threading.Event]) -> tuple[FusionEngine, threading.Event]:
+    """An engine whose heal thread is inside its first piece, held there; (the engine, the event that lets it go)."""
+    entered, go = held_piece
+    engine, _ = _engines(_llama(tokenizer), tokenizer)
+    one, _ = _turns(engine, None)
+    engine.generate(one, sampling=SAMPLING, caches=_fused(engine))
+    assert entered.wait(WAIT_S)
+    return engine, go
+
+
 def test_at_exit_healing_stops_after_the_piece_in_flight(
         smollm_tokenizer: PreTrainedTokenizerBase, held_piece: tuple[threading.Event, threading.Event]) -> None:
     """Defect: a program that ended while its engine healed aborted ("terminate called without an
     active exception", exit 134): the heal thread was inside torch when the interpreter finalized.
     At exit (`atexit`), `stop_healing` lets the piece in flight end and starts no other."""
-    entered, go = held_piece
-    engine, _ = _engines(_llama(smollm_tokenizer), smollm_tokenizer)
+    engine, go = _healing_a_piece(smollm_tokenizer, held_piece)
     assert engine.loop is not None
-    one, _ = _turns(engine, None)
-    engine.generate(one, sampling=SAMPLING, caches=_fused(engine))
-    assert entered.wait(WAIT_S)
     assert not engine.loop.stop_healing(timeout_s=0.2)  # NOTE: the held piece is still running
     go.set()
     assert engine.loop.stop_healing(timeout_s=WAIT_S)
@@ -263,12 +270,8 @@ def test_a_closed_engine_heals_no_more(
     """Defect: an engine dropped with kept requests to heal went on healing them in its daemon thread
     (a benchmark's next configuration ran beside it at half speed). `close` lets the piece in flight
     end; the heal thread exits and runs no other piece."""
-    entered, go = held_piece
-    engine, _ = _engines(_llama(smollm_tokenizer), smollm_tokenizer)
+    engine, go = _healing_a_piece(smollm_tokenizer, held_piece)
     assert engine.loop is not None
-    one, _ = _turns(engine, None)
-    engine.generate(one, sampling=SAMPLING, caches=_fused(engine))
-    assert entered.wait(WAIT_S)
     healing = engine.loop._healing
     assert healing is not None and healing.is_alive()
     go.set()
