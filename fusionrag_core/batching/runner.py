@@ -3,7 +3,8 @@
     dropped ─► end
     admit   ─► stitch each ─► probe (one pass) ─► select each ─► recompute (one pass) ─► forks copied
             ─► first token each (forks included)
-    decode  ─► one batched decode step ─► next token each ─► a piece of one answer's healing
+    heal an answer ─► a piece of one answer's healing (before the decode: its token reads it)
+    decode  ─► one batched decode step ─► next token each
     heal    ─► one piece of a kept request's healing (an idle step only)
 
 A request's failure stays its own: a phase that fails for one request fails that request alone,

@@ -18,8 +18,9 @@ One step:
 2. **decode**, when requests were running before the step or none was admitted: one batched
    decode step over every running request (those just admitted included). On an idle engine an
    admitting step ends without it, so a lone request's first token waits for no decode step.
-3. **heal an answer**, when no request waits to be admitted: after the decode step, one piece of
-   the oldest running request's answer healing (`batching.answer_heal`), if one has any left.
+3. **heal an answer**, when no request waits to be admitted: before the decode step (so the token
+   it picks reads the healed K/V), one piece of the oldest running request's answer healing
+   (`batching.answer_heal`), if one has any left.
 4. **heal**, the lowest priority: only in a step planned for it (`plan(heal=True)`, by the loop's
    heal thread) that finds no request waiting or running: one piece of a kept request's healing
    (`batching.heal`), so an arrival waits for one piece at most.
@@ -103,7 +104,7 @@ class StepPlan:
         step: after the admissions, one batched decode step over `decode` and the admitted
             requests that still decode.
         heal: run one piece of healing (nothing else to do in this step).
-        heal_answer: after the decode step, run one piece of this request's answer healing.
+        heal_answer: before the decode step, run one piece of this request's answer healing.
     """
 
     dropped: tuple[Request, ...]
