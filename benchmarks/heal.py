@@ -32,7 +32,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -156,19 +155,15 @@ def main(argv: Sequence[str] | None = None, engine: FusionEngine | None = None,
     env = serving.environment(base)
     rows = load_rows(args.data, args.rows + 1)
     es = engines(base, args.piece_tokens)
-    with tempfile.TemporaryDirectory(prefix="fusionrag-heal-") as tmp:
-        corpus = serving.build_corpus(base, rows, args, args.db or Path(tmp), embedding_function)
-        try:
-            conversations = [serving.Conversation(i, i, row.question, corpus.chunks[i], FOLLOWUP)
-                             for i, row in enumerate(rows)]
-            serving.check_prompts(base, conversations)
-            conversation(es, conversations[-1], corpus.index.store, args, 0)  # NOTE: the warm-up, untimed
-            records = []
-            for i, c in enumerate(conversations[:-1]):
-                records.append(conversation(es, c, corpus.index.store, args, i))
-                print(json.dumps({k: records[-1]["followup"][k]["ttft_s"] for k in ENGINES}), flush=True)
-        finally:
-            corpus.index.close()
+    with serving.opened_corpus(base, rows, args, "fusionrag-heal-", embedding_function) as corpus:
+        conversations = [serving.Conversation(i, i, row.question, corpus.chunks[i], FOLLOWUP)
+                         for i, row in enumerate(rows)]
+        serving.check_prompts(base, conversations)
+        conversation(es, conversations[-1], corpus.index.store, args, 0)  # NOTE: the warm-up, untimed
+        records = []
+        for i, c in enumerate(conversations[:-1]):
+            records.append(conversation(es, c, corpus.index.store, args, i))
+            print(json.dumps({k: records[-1]["followup"][k]["ttft_s"] for k in ENGINES}), flush=True)
     env["load_end"] = [round(x, 2) for x in os.getloadavg()]
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("sampling",)}
     settings.update(model=base.name, device=str(base.device))

@@ -37,7 +37,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -205,20 +204,16 @@ def main(argv: Sequence[str] | None = None, engine: FusionEngine | None = None,
     env = serving.environment(base)
     rows = load_rows(args.data, max(args.rows + 1, args.corpus_rows or 0))
     es = engines(base, args.pieces)
-    with tempfile.TemporaryDirectory(prefix="fusionrag-heal-answer-") as tmp:
-        corpus = serving.build_corpus(base, rows, args, args.db or Path(tmp), embedding_function)
-        try:
-            cs = [serving.Conversation(i, i, row.question, context(corpus, i, row.question, args.retrieve), None)
-                  for i, row in enumerate(rows[:args.rows + 1])]
-            serving.check_prompts(base, cs)
-            row_record(es, cs[-1], corpus.index.store, args.sampling, 0)  # NOTE: the warm-up, untimed
-            records = []
-            for i, c in enumerate(cs[:-1]):
-                records.append(row_record(es, c, corpus.index.store, args.sampling, i))
-                print(json.dumps({k: [a["same_whole"], a["itl_s"]] for k, a in records[-1]["answers"].items()}),
-                      flush=True)
-        finally:
-            corpus.index.close()
+    with serving.opened_corpus(base, rows, args, "fusionrag-heal-answer-", embedding_function) as corpus:
+        cs = [serving.Conversation(i, i, row.question, context(corpus, i, row.question, args.retrieve), None)
+              for i, row in enumerate(rows[:args.rows + 1])]
+        serving.check_prompts(base, cs)
+        row_record(es, cs[-1], corpus.index.store, args.sampling, 0)  # NOTE: the warm-up, untimed
+        records = []
+        for i, c in enumerate(cs[:-1]):
+            records.append(row_record(es, c, corpus.index.store, args.sampling, i))
+            print(json.dumps({k: [a["same_whole"], a["itl_s"]] for k, a in records[-1]["answers"].items()}),
+                  flush=True)
     env["load_end"] = [round(x, 2) for x in os.getloadavg()]
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "sampling"}
     settings.update(model=base.name, device=str(base.device))

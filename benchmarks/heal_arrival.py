@@ -28,7 +28,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -160,8 +159,7 @@ def main(argv: Sequence[str] | None = None, engine: FusionEngine | None = None,
     env = serving.environment(base)
     rows = load_rows(args.data, max(args.rows + 1, args.corpus_rows or 0))
     rng = random.Random(args.seed)
-    with tempfile.TemporaryDirectory(prefix="fusionrag-heal-arrival-") as tmp:
-        corpus = serving.build_corpus(base, rows, args, args.db or Path(tmp), embedding_function)
+    with serving.opened_corpus(base, rows, args, "fusionrag-heal-arrival-", embedding_function) as corpus:
         pairs: dict[int, tuple[FusionEngine, FusionEngine]] = {}
         try:
             cs = [serving.Conversation(i, i, row.question, corpus.chunks[i], None)
@@ -179,11 +177,9 @@ def main(argv: Sequence[str] | None = None, engine: FusionEngine | None = None,
                         trials.append(trial(pairs[p], c, cs[i + 1], store, args.sampling, delay, (i + k) % 2 == 0))
                         print(json.dumps(trials[-1]), flush=True)
         finally:
-            # NOTE: no heal left running: a daemon thread inside torch at interpreter exit aborts it
             for engines in pairs.values():
                 for e in engines:
-                    reset(e)
-            corpus.index.close()
+                    e.close()  # NOTE: no heal goes on beside whatever runs next
     env["load_end"] = [round(x, 2) for x in os.getloadavg()]
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "sampling"}
     settings.update(model=base.name, device=str(base.device))

@@ -52,6 +52,7 @@ The exit status is 1 when a request failed or a chunk cache was missed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -66,7 +67,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,19 @@ def build_corpus(engine: FusionEngine, rows: Sequence[BenchRow], args: argparse.
     ingest = {"passages": len(texts), "new_chunks": report.new_chunks, "skipped_chunks": report.skipped_chunks,
               "seconds": round(report.seconds, 2), "chunk_tokens": chunk_tokens, "neighbours": config.neighbours}
     return Corpus(index, chunks, ingest)
+
+
+@contextlib.contextmanager
+def opened_corpus(engine: FusionEngine, rows: Sequence[BenchRow], args: argparse.Namespace, prefix: str,
+                  embedding_function: chroma.EmbeddingFn | None) -> Iterator[Corpus]:
+    """`build_corpus` in `args.db`, else in a temporary directory named with `prefix` (removed after);
+    its index closed when the block ends."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        corpus = build_corpus(engine, rows, args, args.db or Path(tmp), embedding_function)
+        try:
+            yield corpus
+        finally:
+            corpus.index.close()
 
 
 def has_followup(i: int, share: float) -> bool:
@@ -696,25 +710,21 @@ def run(engine: FusionEngine, args: argparse.Namespace, command: Sequence[str],
     if len(rows) < args.rows + 1:
         raise SystemExit(f"{args.data} has {len(rows)} rows; --rows {args.rows} needs {args.rows + 1} "
                          "(one more for the warm-ups)")
-    with tempfile.TemporaryDirectory(prefix="fusionrag-serving-") as tmp:
-        corpus = build_corpus(engine, rows, args, args.db or Path(tmp), embedding_function)
-        try:
-            print(f"ingest: {corpus.ingest}", flush=True)
-            conversations, note = plan(rows[:args.rows], corpus, args.requests, args.followups)
-            warmup = Conversation(-1, args.rows, rows[args.rows].question, corpus.chunks[args.rows], None)
-            check_prompts(engine, [*conversations, warmup])
-            if note:
-                print(f"note: {note}", flush=True)
-            configs = []
-            for users in args.users:
-                for method in args.methods:
-                    for name, heal in configurations(args):
-                        c = run_configuration(engine, corpus, method, SCHEDULERS[name], heal, users, conversations,
-                                              warmup, args)
-                        print(progress_line(c), flush=True)
-                        configs.append(c)
-        finally:
-            corpus.index.close()
+    with opened_corpus(engine, rows, args, "fusionrag-serving-", embedding_function) as corpus:
+        print(f"ingest: {corpus.ingest}", flush=True)
+        conversations, note = plan(rows[:args.rows], corpus, args.requests, args.followups)
+        warmup = Conversation(-1, args.rows, rows[args.rows].question, corpus.chunks[args.rows], None)
+        check_prompts(engine, [*conversations, warmup])
+        if note:
+            print(f"note: {note}", flush=True)
+        configs = []
+        for users in args.users:
+            for method in args.methods:
+                for name, heal in configurations(args):
+                    c = run_configuration(engine, corpus, method, SCHEDULERS[name], heal, users, conversations,
+                                          warmup, args)
+                    print(progress_line(c), flush=True)
+                    configs.append(c)
     env["load_end"] = [round(x, 2) for x in os.getloadavg()]
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                 if k not in ("sampling", "out", "db")}
