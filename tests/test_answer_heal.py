@@ -47,9 +47,10 @@ def step_logits(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     return seen
 
 
-def _engines(tokenizer: PreTrainedTokenizerBase, answers: bool) -> tuple[FusionEngine, FusionEngine]:
-    """(an engine healing answers in flight or not, full attention's reference)."""
-    config = EngineConfig(heal=HealConfig(piece_tokens=PIECE, answers=answers))
+def _engines(tokenizer: PreTrainedTokenizerBase, answers: bool,
+             piece: int = PIECE) -> tuple[FusionEngine, FusionEngine]:
+    """(an engine healing answers in flight or not, in pieces of `piece` tokens; full attention's reference)."""
+    config = EngineConfig(heal=HealConfig(piece_tokens=piece, answers=answers))
     engine = FusionEngine(_llama(tokenizer), tokenizer, name="tiny", config=config)
     return engine, engine.with_config(dataclasses.replace(config, prefix_cache=None, heal=None))
 
@@ -85,9 +86,7 @@ def test_a_piece_that_covers_the_prompt_heals_before_the_second_token_is_picked(
     """The piece runs before the step's decode, so only the first token (picked with the prefill) is
     approximate: the second already reads the healed prompt (before, it was picked first, and only
     the third token on was full attention's continuation)."""
-    config = EngineConfig(heal=HealConfig(piece_tokens=4096, answers=True))
-    engine = FusionEngine(_llama(smollm_tokenizer), smollm_tokenizer, name="tiny", config=config)
-    fresh = engine.with_config(dataclasses.replace(config, prefix_cache=None, heal=None))
+    engine, fresh = _engines(smollm_tokenizer, answers=True, piece=4096)
     prompt, _ = _turns(engine, None)
     served = engine.generate(prompt, sampling=SAMPLING, caches=_fused(engine))
     assert served.approximate_tokens > 0 and served.answer_healed_at == 1
