@@ -17,6 +17,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTraine
 from fusionrag_core.engine import FusionEngine
 from fusionrag_core.runtime import compat, threads
 from tests.ingest_worker import tokenizer_dir
+from tests.servers import running_chroma_server, running_redis_server
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -135,3 +136,10 @@ def weights_never_read(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("weights were read")
 
     monkeypatch.setattr(compat, "load_model", no_load)
+
+
+@pytest.fixture(scope="module")
+def chroma_and_redis() -> Iterator[tuple[str, str]]:
+    """(Chroma URL, Redis URL): a Chroma server and a Redis server on loopback, for the module."""
+    with running_chroma_server() as chroma_url, running_redis_server() as redis_url:
+        yield chroma_url, redis_url

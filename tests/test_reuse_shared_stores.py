@@ -23,7 +23,6 @@ from fusionrag_integrations.langchain import ChatFusionRAG, FusionRAGRetriever
 from fusionrag_integrations.llama_index import FusionRAGLLM, FusionRAGQueryEngine
 from tests.ingest_worker import tiny_engine
 from tests.lighthouse import QUESTION, TEXTS
-from tests.servers import running_chroma_server, running_redis_server
 from tests.test_reuse_langchain import SYSTEM_PROMPT, Results, format_docs
 
 pytestmark = [pytest.mark.servers]
@@ -38,17 +37,10 @@ def engine(smollm_tokenizer: PreTrainedTokenizerBase, one_thread: None) -> Fusio
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[str, str]]:
-    """(Chroma URL, Redis URL): both servers on loopback, for the module."""
-    with running_chroma_server() as chroma_url, running_redis_server() as redis_url:
-        yield chroma_url, redis_url
-
-
-@pytest.fixture(scope="module")
-def corpora(engine: FusionEngine, servers: tuple[str, str],
+def corpora(engine: FusionEngine, chroma_and_redis: tuple[str, str],
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, FusionIndex]]:
     """Each corpus ingested, then opened again by a process that ingested nothing."""
-    chroma_url, redis_url = servers
+    chroma_url, redis_url = chroma_and_redis
     where = {"embedded": {}, "shared": {"chroma_url": chroma_url, "redis_url": redis_url}}
     dirs = {name: tmp_path_factory.mktemp(name) for name in STORES}
     for name in STORES:

@@ -43,7 +43,7 @@ from fusionrag_integrations.openai_server.ray_serve import (
 from fusionrag_integrations.session import ReuseConfig, ReuseSession
 from tests.http_server import running_app
 from tests.lighthouse import QUESTION, TEXTS
-from tests.servers import free_port, running_chroma_server, running_redis_server
+from tests.servers import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # NOTE: the test model is the packaged one, fp32 on CPU: `default_engine`'s, so replicas read its caches.
@@ -72,16 +72,9 @@ UNSEEN = ("The Corran watchmakers' guild met every Thursday above the old grain 
 
 # ---- the shared corpus and the replicas -------------------------------------------------------------
 @pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[str, str]]:
-    """(Chroma URL, Redis URL): both servers on loopback, for the module."""
-    with running_chroma_server() as chroma_url, running_redis_server() as redis_url:
-        yield chroma_url, redis_url
-
-
-@pytest.fixture(scope="module")
-def corpus(default_engine: FusionEngine, servers: tuple[str, str],
+def corpus(default_engine: FusionEngine, chroma_and_redis: tuple[str, str],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[FusionIndex]:
-    chroma_url, redis_url = servers
+    chroma_url, redis_url = chroma_and_redis
     with FusionIndex.open(default_engine, tmp_path_factory.mktemp("db"), chroma_url=chroma_url,
                           redis_url=redis_url, config=CONFIG) as index:
         index.add_texts([*TEXTS, UNSEEN], doc_ids=[*(f"t{i}" for i in range(len(TEXTS))), "unseen"])
@@ -89,13 +82,13 @@ def corpus(default_engine: FusionEngine, servers: tuple[str, str],
 
 
 @pytest.fixture(scope="module")
-def replicas(corpus: FusionIndex, servers: tuple[str, str]) -> Iterator[RayServeApp]:
+def replicas(corpus: FusionIndex, chroma_and_redis: tuple[str, str]) -> Iterator[RayServeApp]:
     """Two replicas on a local cluster that `deploy` starts (and `close` stops)."""
     # NOTE: not `import ray` here: imported before the cluster starts, ray would listen on every interface.
     earlier = sys.modules.get("ray")
     if earlier is not None and earlier.is_initialized():
         earlier.shutdown()  # NOTE: another module's cluster; `deploy(address="local")` starts its own.
-    chroma_url, redis_url = servers
+    chroma_url, redis_url = chroma_and_redis
     assert corpus.data_dir is not None
     spec = ReplicaSpec(engine_factory=functools.partial(load_engine, ENGINE), data_dir=str(corpus.data_dir),
                        chroma_url=chroma_url, redis_url=redis_url, server=ServerConfig(port=free_port()))
